@@ -1,0 +1,65 @@
+"""`moe`: Mixture-of-Experts layers for LLM inference, composed from swappable halves.
+
+Vocabulary, used everywhere: M tokens, H hidden size, I intermediate size, E experts, k experts per
+token (top-k); ``w13 [E, 2I, H]`` the first GEMM's weights with rows ``[gate; up]`` (``[E, I, H]`` for
+non-gated activations), ``w2 [E, H, I]`` the second's; ``topk_ids`` / ``topk_weights`` the routing.
+
+    hidden [M, H], router_logits [M, E]
+      -> Router -> TopK
+      -> ModularKernel(PrepareFinalize, Experts): prepare -> experts.apply -> finalize
+      -> out [M, H]
+"""
+
+from moe.activation import Activation, ActivationKind
+from moe.errors import MoEConfigError, MoEError, UnsupportedError, WorkspaceError
+from moe.experts import Capabilities, Experts, ReferenceExperts, TorchGroupedExperts
+from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
+from moe.kernel import ModularKernel
+from moe.layer import FusedMoE
+from moe.platform import Platform
+from moe.prepare_finalize import BatchedPrepareFinalize, LocalPrepareFinalize, PrepareFinalize
+from moe.problem import MoEProblem, ParallelConfig
+from moe.quant import QuantFormat, QuantizedTensor, QuantScheme
+from moe.registry import register_experts, register_prepare_finalize
+from moe.router import Router, TopK
+from moe.weights import ExpertWeights
+from moe.workspace import Workspace, WorkspaceManager, WorkspaceShapes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Activation",
+    "ActivationFormat",
+    "ActivationKind",
+    "BatchedPrepareFinalize",
+    "Capabilities",
+    "DispatchShape",
+    "Dispatched",
+    "ExpertWeights",
+    "Experts",
+    "ExpertsOutput",
+    "FusedMoE",
+    "LocalPrepareFinalize",
+    "MoEConfigError",
+    "MoEError",
+    "MoEProblem",
+    "ModularKernel",
+    "OutputKind",
+    "ParallelConfig",
+    "Platform",
+    "PrepareFinalize",
+    "QuantFormat",
+    "QuantScheme",
+    "QuantizedTensor",
+    "ReferenceExperts",
+    "Router",
+    "TopK",
+    "TorchGroupedExperts",
+    "UnsupportedError",
+    "Workspace",
+    "WorkspaceError",
+    "WorkspaceManager",
+    "WorkspaceShapes",
+    "register_experts",
+    "register_prepare_finalize",
+]

@@ -1,0 +1,3 @@
+from moe.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""The Experts contract: the grouped GEMMs of an MoE layer behind one small interface.
+
+An Experts class declares what it can do once, as data (``capabilities``); the oracle, the error
+messages, the support table and the test matrix all read that one record. ``check`` derives every
+reason it cannot serve a problem from it; override ``extra_checks`` only for what data cannot say.
+
+Lifecycle: ``cls.check(problem, platform)`` -> ``experts = cls(problem)`` ->
+``prepared = experts.prepare_weights(weights)`` (once, at load) -> per call:
+``experts.apply(dispatched, prepared, workspace)`` inside buffers sized by ``workspace_shapes``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping
+
+import torch
+
+from moe.activation import ActivationKind
+from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
+from moe.errors import UnsupportedError
+from moe.platform import Platform
+from moe.problem import MoEProblem
+from moe.quant import QuantFormat
+from moe.weights import ExpertWeights
+from moe.workspace import Workspace, WorkspaceShapes
+
+ALL_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an Experts class can serve. Every field is checked by ``Experts.check``."""
+
+    formats: frozenset[ActivationFormat]
+    quant: frozenset[tuple[QuantFormat, QuantFormat]]  # supported (weight, activation) pairs
+    activations: frozenset[ActivationKind]
+    output: OutputKind
+    dtypes: frozenset[torch.dtype] = ALL_DTYPES  # activation dtypes in and out
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    min_capability: tuple[int, int] | None = None  # CUDA compute capability range, inclusive
+    max_capability: tuple[int, int] | None = None
+    libraries: tuple[str, ...] = ()  # must be importable (Platform.libraries)
+    alignment: Mapping[str, int] = field(default_factory=dict)  # "hidden_size"/"intermediate_size" -> multiple
+    pads_to_alignment: bool = False  # the backend pads H/I itself, so alignment is no constraint
+    max_tokens: int | None = None
+    expert_map: bool = True  # serves expert-parallel problems (some experts not on this rank)
+    bias: bool = True
+    cuda_graph_safe: bool = False
+    deterministic: bool = True
+    quantizes_input: bool = False  # True: takes unquantized activations and quantizes them itself
+    implemented: bool = True  # False: a declaration only, never selected
+
+
+def _fmt_cc(cc: tuple[int, int]) -> str:
+    return f"SM{cc[0]}{cc[1]}"
+
+
+class Experts(ABC):
+    """Base class of every Experts backend. Subclasses set ``name`` and ``capabilities``."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+
+    def __init__(self, problem: MoEProblem):
+        reasons = self.check(problem, platform=None)  # the platform is the oracle's (or layer's) concern
+        if reasons:
+            raise UnsupportedError(f"{self.name} cannot serve this problem", reasons)
+        self.problem = problem
+
+    # --- declaration-driven check --------------------------------------------------------------
+    @classmethod
+    def check(cls, problem: MoEProblem, platform: Platform | None) -> list[str]:
+        """Every reason this class cannot serve ``problem`` on ``platform``; empty when it can.
+
+        With ``platform=None`` only the problem is checked.
+        """
+        cap = cls.capabilities
+        reasons = []
+        pair = (problem.quant.weight, problem.quant.activation)
+        if pair not in cap.quant:
+            allowed = ", ".join(sorted(f"{w.value}x{a.value}" for w, a in cap.quant))
+            reasons.append(f"quant {pair[0].value}x{pair[1].value} (weight x activation) not supported; supports {allowed}")
+        if problem.activation.kind not in cap.activations:
+            allowed = ", ".join(sorted(a.value for a in cap.activations))
+            reasons.append(f"activation {problem.activation.name} not supported; supports {allowed}")
+        if problem.dtype not in cap.dtypes:
+            reasons.append(f"dtype {problem.dtype} not supported; supports {sorted(map(str, cap.dtypes))}")
+        if problem.has_bias and not cap.bias:
+            reasons.append("expert biases (has_bias=True) not supported")
+        if problem.parallel.enabled and not cap.expert_map:
+            reasons.append("expert parallelism (an expert map) not supported")
+        if cap.max_tokens is not None and problem.max_tokens > cap.max_tokens:
+            reasons.append(f"max_tokens={problem.max_tokens} exceeds the backend's limit {cap.max_tokens}")
+        if not cap.pads_to_alignment:
+            for dim, multiple in cap.alignment.items():
+                value = getattr(problem, dim)
+                if value % multiple:
+                    reasons.append(f"{dim} must be a multiple of {multiple} (got {value})")
+        if not cap.implemented:
+            reasons.append("declared only: no working apply in this build")
+        if platform is not None:
+            reasons += cls._platform_reasons(platform)
+        return reasons + cls.extra_checks(problem, platform)
+
+    @classmethod
+    def _platform_reasons(cls, platform: Platform) -> list[str]:
+        cap = cls.capabilities
+        reasons = []
+        if platform.device not in cap.devices:
+            reasons.append(f"runs on {sorted(cap.devices)}, not {platform.device}")
+        elif platform.is_cuda and platform.capability is not None:
+            cc = platform.capability
+            if cap.min_capability and cc < cap.min_capability:
+                reasons.append(f"needs {_fmt_cc(cap.min_capability)} or newer (got {_fmt_cc(cc)})")
+            if cap.max_capability and cc > cap.max_capability:
+                reasons.append(f"needs {_fmt_cc(cap.max_capability)} or older (got {_fmt_cc(cc)})")
+        for lib in cap.libraries:
+            if not platform.has_library(lib):
+                reasons.append(f"needs library {lib!r}, which is not installed")
+        return reasons
+
+    @classmethod
+    def extra_checks(cls, problem: MoEProblem, platform: Platform | None) -> list[str]:
+        """Reasons the capability data cannot express; none by default."""
+        return []
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def prepare_weights(self, weights: ExpertWeights) -> Any:
+        """Converts canonical weights once, at load, to what ``apply`` wants. Default: validate only."""
+        weights.validate(self.problem)
+        return weights
+
+    @abstractmethod
+    def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
+        """Every buffer ``apply`` uses for inputs of at most ``dispatch`` -- an upper bound that does not
+        depend on routing data; includes the output buffer and any scratch a library allocates."""
+
+    @abstractmethod
+    def apply(self, dispatched: Dispatched, weights: Any, workspace: Workspace) -> ExpertsOutput:
+        """Computes the experts on ``dispatched`` into ``workspace``; allocates nothing else."""

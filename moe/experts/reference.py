@@ -1,0 +1,126 @@
+"""The reference experts: dequantize, then compute everything in float32. The oracle of truth.
+
+Every other backend is tested against this one. It serves every scheme, activation and format, biases
+and expert maps, on any device -- slowly. It mimics the one rounding step real kernels share: when the
+scheme quantizes activations, the intermediate activation (the second GEMM's input) is quantized and
+dequantized with the same format before ``w2``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe.activation import ActivationKind
+from moe.experts.base import Capabilities, Experts
+from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
+from moe.quant import QuantFormat, QuantizedTensor, dequantize, quantize
+from moe.quant.scheme import SCHEME_PAIRS
+from moe.registry import register_experts
+from moe.weights import ExpertWeights
+from moe.workspace import Workspace, WorkspaceShapes
+
+
+@dataclass(frozen=True)
+class DenseWeights:
+    """Float32 weights in the canonical layout, dequantized once at load."""
+
+    w13: torch.Tensor  # [E_local, R, H]
+    w2: torch.Tensor  # [E_local, H, I]
+    b13: torch.Tensor | None  # [E_local, R]
+    b2: torch.Tensor | None  # [E_local, H]
+
+
+def dense_weights(weights: ExpertWeights) -> DenseWeights:
+    w13, w2 = weights.dequantize(torch.float32)
+    as_f32 = lambda b: None if b is None else b.float()  # noqa: E731
+    return DenseWeights(w13, w2, as_f32(weights.b13), as_f32(weights.b2))
+
+
+def fake_quantize(x: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """``x`` rounded through the activation format ``fmt`` and back (identity for NONE)."""
+    if fmt is QuantFormat.NONE or x.shape[0] == 0:
+        return x
+    return dequantize(quantize(x, fmt, role="activation"), torch.float32)
+
+
+def dequantize_rows(x: QuantizedTensor, hidden_size: int) -> torch.Tensor:
+    """Activations of any format as float32 ``[rows, H]`` (batched buffers are flattened first)."""
+    if x.fmt is QuantFormat.NONE:
+        return x.data.reshape(-1, hidden_size).float()
+    flat = lambda t: None if t is None or t.dim() == 0 else t.reshape(-1, t.shape[-1])  # noqa: E731
+    rows = QuantizedTensor(
+        data=x.data.reshape(-1, x.data.shape[-1]),
+        scale=flat(x.scale) if x.scale is not None and x.scale.dim() > 0 else x.scale,
+        global_scale=x.global_scale,
+        fmt=x.fmt,
+    )
+    return dequantize(rows, torch.float32)
+
+
+@register_experts
+class ReferenceExperts(Experts):
+    name = "reference"
+    capabilities = Capabilities(
+        formats=frozenset(ActivationFormat),
+        quant=SCHEME_PAIRS,
+        activations=frozenset(ActivationKind),
+        output=OutputKind.PER_SLOT,
+        deterministic=True,
+    )
+
+    def prepare_weights(self, weights: ExpertWeights) -> DenseWeights:
+        weights.validate(self.problem)
+        return dense_weights(weights)
+
+    def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
+        p = self.problem
+        if dispatch.format is ActivationFormat.BATCHED:
+            out_shape = (p.local_num_experts, dispatch.max_rows, p.hidden_size)
+        else:
+            out_shape = (dispatch.max_rows, p.top_k, p.hidden_size)
+        return WorkspaceShapes.of(out=(out_shape, torch.float32))
+
+    def apply(self, dispatched: Dispatched, weights: DenseWeights, workspace: Workspace) -> ExpertsOutput:
+        p = self.problem
+        x = dequantize_rows(dispatched.x, p.hidden_size)
+        if dispatched.format is ActivationFormat.BATCHED:
+            out = workspace["out"][:, : dispatched.num_rows]
+            per_expert_rows = torch.arange(dispatched.num_rows, device=x.device)
+            counts = dispatched.tokens_per_expert.to(torch.long)
+            valid = per_expert_rows.unsqueeze(0) < counts.unsqueeze(1)  # [E_local, T]
+            expert = torch.arange(p.local_num_experts, device=x.device).unsqueeze(1).expand_as(valid)
+            rows, experts = valid.flatten().nonzero().squeeze(1), expert[valid]
+        else:
+            out = workspace["out"][: dispatched.num_rows]
+            to_local = torch.tensor(p.parallel.global_to_local(p.num_experts), device=x.device)
+            local = to_local[dispatched.topk.ids.long()].flatten()  # [M' * k]
+            rows = (local >= 0).nonzero().squeeze(1)
+            experts = local[rows]
+        out.zero_()
+        flat_out = out.reshape(-1, p.hidden_size)
+        token_rows = rows if dispatched.format is ActivationFormat.BATCHED else rows // p.top_k
+        flat_out[rows] = self._compute(x[token_rows], experts, weights)
+        return ExpertsOutput(OutputKind.PER_SLOT, out)
+
+    def _compute(self, x: torch.Tensor, experts: torch.Tensor, w: DenseWeights) -> torch.Tensor:
+        """Both GEMMs for rows ``x [n, H]`` routed to local ``experts [n]``; float32 ``[n, H]``.
+
+        One expert at a time (gathering per-row weight copies would need n * R * H floats); the
+        intermediate is rounded through the activation format across all rows at once, as kernels do.
+        """
+        groups = [(e, (experts == e).nonzero().squeeze(1)) for e in experts.unique().tolist()]
+        a = x.new_empty(x.shape[0], self.problem.intermediate_size)
+        for e, rows in groups:
+            h = x[rows] @ w.w13[e].T
+            if w.b13 is not None:
+                h = h + w.b13[e]
+            a[rows] = self.problem.activation(h)
+        a = fake_quantize(a, self.problem.quant.activation)
+        y = x.new_empty(x.shape[0], self.problem.hidden_size)
+        for e, rows in groups:
+            y[rows] = a[rows] @ w.w2[e].T
+            if w.b2 is not None:
+                y[rows] += w.b2[e]
+        return y

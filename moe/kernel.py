@@ -1,0 +1,133 @@
+"""ModularKernel: one PrepareFinalize composed with one Experts, checked when composed.
+
+    out = finalize(experts.apply(prepare(hidden, topk), weights, workspace), topk)
+
+Every contract between the two halves -- activation format, who quantizes, who applies the router
+weights and sums over k, the problem they were built for -- is checked in ``__init__`` and reported
+all at once, never half-way through a forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moe.errors import MoEConfigError
+from moe.experts.base import Experts
+from moe.formats import ActivationFormat, OutputKind
+from moe.prepare_finalize.base import PrepareFinalize
+from moe.quant import QuantFormat
+from moe.router import TopK
+from moe.workspace import Workspace, WorkspaceManager, WorkspaceShapes
+
+_PREPARE, _EXPERTS = "prepare_finalize.", "experts."
+
+
+def composition_problems(prepare_finalize: PrepareFinalize, experts: Experts) -> list[str]:
+    """Every reason the two halves cannot work together; empty when they can."""
+    pf, cap = prepare_finalize, experts.capabilities
+    problems = []
+    if pf.problem != experts.problem:
+        problems.append("prepare/finalize and experts were built for different MoEProblems")
+    if pf.format not in cap.formats:
+        takes = ", ".join(sorted(f.value for f in cap.formats))
+        problems.append(f"{pf.name} produces the {pf.format.value} format but {experts.name} takes {takes}")
+    if pf.format is ActivationFormat.BATCHED and cap.output is OutputKind.REDUCED:
+        problems.append(f"{experts.name} declares reduced output, which the batched format cannot carry")
+    wanted = activation_quant(experts)
+    if wanted is not QuantFormat.NONE and wanted not in pf.quant_formats:
+        problems.append(f"{experts.name} wants {wanted.value} activations, which {pf.name} cannot produce")
+    problems += [f"{pf.name}: {r}" for r in pf.check(pf.problem, None)]
+    return problems
+
+
+def activation_quant(experts: Experts) -> QuantFormat:
+    """The format prepare must quantize activations to: none if the experts quantize themselves."""
+    if experts.capabilities.quantizes_input:
+        return QuantFormat.NONE
+    return experts.problem.quant.activation
+
+
+class ModularKernel:
+    """``ModularKernel(LocalPrepareFinalize(p), TritonExperts(p), device="cuda")``."""
+
+    def __init__(self, prepare_finalize: PrepareFinalize, experts: Experts, *, device: torch.device | str = "cpu"):
+        problems = composition_problems(prepare_finalize, experts)
+        if problems:
+            raise MoEConfigError(
+                f"cannot compose {prepare_finalize.name} with {experts.name}:\n"
+                + "\n".join(f"  - {p}" for p in problems)
+            )
+        self.prepare_finalize = prepare_finalize
+        self.experts = experts
+        self.problem = experts.problem
+        self.quantize_to = activation_quant(experts)
+        self.workspace = WorkspaceManager(device)
+
+    def __repr__(self) -> str:
+        return f"ModularKernel({self.prepare_finalize.name} + {self.experts.name})"
+
+    # --- workspace -----------------------------------------------------------------------------
+    def workspace_shapes(self, num_tokens: int) -> WorkspaceShapes:
+        pf = self.prepare_finalize
+        experts = self.experts.workspace_shapes(pf.dispatch_shape(num_tokens))
+        return WorkspaceShapes().merge(pf.workspace_shapes(num_tokens), _PREPARE).merge(experts, _EXPERTS)
+
+    def workspace_bytes(self, max_tokens: int | None = None) -> int:
+        """Exact bytes of workspace a forward of up to ``max_tokens`` tokens uses."""
+        return self.workspace_shapes(self.problem.max_tokens if max_tokens is None else max_tokens).nbytes
+
+    def reserve(self, max_tokens: int | None = None, *, lock: bool = False) -> int:
+        """Reserves the workspace for the largest M up front; returns the bytes."""
+        nbytes = self.workspace_bytes(max_tokens)
+        self.workspace.reserve(nbytes)
+        if lock:
+            self.workspace.lock()
+        return nbytes
+
+    # --- forward ---------------------------------------------------------------------------------
+    def forward(self, hidden: torch.Tensor, topk: TopK, weights: Any, *, validate: bool = True) -> torch.Tensor:
+        """``hidden [M, H]`` routed by ``topk`` -> a new ``[M, H]`` tensor.
+
+        ``validate`` also checks that every expert id is in range, which reads the ids on the host;
+        pass False when the ids come from a Router (in range by construction) or inside a CUDA graph.
+        """
+        self._check_inputs(hidden, topk, validate)
+        shapes = self.workspace_shapes(hidden.shape[0])
+        views = self.workspace.take(shapes, caller=repr(self))
+        pf_space, experts_space = _split(views, _PREPARE), _split(views, _EXPERTS)
+        dispatched = self.prepare_finalize.prepare(hidden, topk, self.quantize_to, pf_space)
+        output = self.experts.apply(dispatched, weights, experts_space)
+        return self.prepare_finalize.finalize(output, dispatched, topk)
+
+    __call__ = forward
+
+    def _check_inputs(self, hidden: torch.Tensor, topk: TopK, validate: bool) -> None:
+        p = self.problem
+        if hidden.dim() != 2 or hidden.shape[1] != p.hidden_size:
+            raise MoEConfigError(f"hidden must be [M, {p.hidden_size}] (got {list(hidden.shape)})")
+        if hidden.dtype != p.dtype:
+            raise MoEConfigError(f"hidden must be {p.dtype} (got {hidden.dtype})")
+        if hidden.device.type != self.workspace.device.type:
+            raise MoEConfigError(f"hidden is on {hidden.device} but the kernel was built for {self.workspace.device}")
+        if hidden.shape[0] > p.max_tokens:
+            raise MoEConfigError(
+                f"M={hidden.shape[0]} tokens exceeds max_tokens={p.max_tokens} this kernel was built for"
+            )
+        if tuple(topk.ids.shape) != (hidden.shape[0], p.top_k):
+            raise MoEConfigError(
+                f"topk.ids must be [M, top_k] = [{hidden.shape[0]}, {p.top_k}] (got {list(topk.ids.shape)})"
+            )
+        if topk.ids.device != hidden.device:
+            raise MoEConfigError(f"topk is on {topk.ids.device} but hidden is on {hidden.device}")
+        if validate and topk.ids.numel():
+            low, high = int(topk.ids.min()), int(topk.ids.max())
+            if low < 0 or high >= p.num_experts:
+                raise MoEConfigError(
+                    f"topk.ids must lie in [0, num_experts={p.num_experts}) (got values in [{low}, {high}])"
+                )
+
+
+def _split(views: Workspace, prefix: str) -> Workspace:
+    return Workspace({name[len(prefix) :]: t for name, t in views.items() if name.startswith(prefix)})

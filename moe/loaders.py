@@ -1,0 +1,275 @@
+"""Loaders: the expert tensors of real checkpoint layouts -> `ExpertWeights` (the canonical layout).
+
+``load_experts(tensors, layout, num_experts=E, prefix="model.layers.3.mlp.")`` reads one MoE layer
+from a flat ``{key: tensor}`` mapping (a safetensors state dict) and returns canonical weights:
+``w13 [E, 2I, H]`` rows ``[gate; up]``, ``w2 [E, H, I]``, optional fp32 biases. No other module
+knows checkpoint layouts; `requantize` converts loaded weights to another format.
+
+The layouts, as the Hugging Face transformers modeling code defines them (``nn.Linear(in, out)``
+stores its weight as ``[out, in]``; keys below follow ``prefix``):
+
+``qwen3`` -- ``Qwen3MoeSparseMoeBlock.experts``, a ModuleList of ``Qwen3MoeMLP``
+    (models/qwen3_moe/modeling_qwen3_moe.py): ``experts.{e}.gate_proj.weight [I, H]``,
+    ``experts.{e}.up_proj.weight [I, H]``, ``experts.{e}.down_proj.weight [H, I]`` with
+    I = ``moe_intermediate_size``; forward ``down_proj(act(gate_proj(x)) * up_proj(x))``.
+    The block is ``model.layers.{l}.mlp.``.
+``deepseek`` -- ``DeepseekV3MoE.experts``, a ModuleList of ``DeepseekV3MLP``
+    (models/deepseek_v3/modeling_deepseek_v3.py): the same keys, shapes and forward as qwen3.
+    ``mlp.shared_experts.*`` is a dense MLP and not read here.
+``mixtral`` -- ``MixtralSparseMoeBlock.experts``, a ModuleList of ``MixtralBlockSparseTop2MLP``
+    (models/mixtral/modeling_mixtral.py): ``experts.{e}.w1.weight [I, H]`` (gate),
+    ``experts.{e}.w3.weight [I, H]`` (up), ``experts.{e}.w2.weight [H, I]`` (down); forward
+    ``w2(act(w1(x)) * w3(x))``. The block is ``model.layers.{l}.block_sparse_moe.``.
+    (Recent transformers fuse these in memory as ``gate_up_proj [E, 2I, H]``; checkpoints on the
+    Hub keep the per-expert keys, which is what this loader reads.)
+``gpt_oss`` -- ``GptOssExperts`` (models/gpt_oss/modeling_gpt_oss.py) at ``model.layers.{l}.mlp.``:
+    bf16 form: ``experts.gate_up_proj [E, H, 2I]`` used as ``x @ gate_up_proj[e] + bias[e]`` with
+    gate = ``[..., ::2]`` and up = ``[..., 1::2]`` (interleaved); ``experts.gate_up_proj_bias
+    [E, 2I]``, interleaved alike; ``experts.down_proj [E, I, H]`` used as ``act @ down_proj[e]``;
+    ``experts.down_proj_bias [E, H]``. We transpose to ``[E, 2I, H]`` / ``[E, H, I]`` and
+    de-interleave to ``[gate; up]``.
+    MXFP4 form (the original checkpoint; ``Mxfp4GptOssExperts`` in integrations/mxfp4.py):
+    ``experts.gate_up_proj_blocks [E, 2I, H/32, 16]`` and ``experts.gate_up_proj_scales
+    [E, 2I, H/32]``, ``experts.down_proj_blocks [E, H, I/32, 16]`` and ``experts.down_proj_scales
+    [E, H, I/32]``, all uint8, and the biases as above. ``convert_moe_packed_tensors`` decodes byte
+    j of block g of a row into elements ``32g + 2j`` (low nibble) and ``32g + 2j + 1`` (high
+    nibble) through the LUT ``+0 +.5 +1 +1.5 +2 +3 +4 +6 -0 -.5 -1 -1.5 -2 -3 -4 -6``, multiplies
+    by ``2**(scale - 127)`` (ldexp), then transposes ``[E, 2I, H] -> [E, H, 2I]``: block rows are
+    the interleaved gate/up columns of the bf16 form. That is our mxfp4 packing exactly (low
+    nibble = even element, e8m0 with bias 127), so blocks are reshaped to ``[E, R, H/2]`` and rows
+    de-interleaved -- data, scales and bias together -- without dequantizing.
+    Which form a checkpoint holds is told by which keys exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from moe.errors import MoEConfigError
+from moe.quant import QuantFormat, QuantizedTensor, QuantScheme
+from moe.weights import DENSE_DTYPES, ExpertWeights, check_finite, resolve_quant
+
+LAYOUTS = ("qwen3", "deepseek", "mixtral", "gpt_oss")
+
+# layout -> checkpoint module names of (gate, up, down) under experts.{e}.
+_PER_EXPERT_NAMES = {
+    "qwen3": ("gate_proj", "up_proj", "down_proj"),
+    "deepseek": ("gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("w1", "w3", "w2"),
+}
+_E8M0_NAN = 0xFF  # the e8m0 encoding of NaN
+_MX_BLOCK = 32  # elements per MXFP4 block (one scale byte, 16 data bytes)
+
+
+def load_experts(
+    tensors: Mapping[str, torch.Tensor],
+    layout: str,
+    *,
+    num_experts: int,
+    prefix: str = "",
+    dtype: torch.dtype | None = None,
+) -> ExpertWeights:
+    """Reads one MoE layer's experts stored in ``layout`` (one of `LAYOUTS`) from ``tensors``.
+
+    ``prefix`` is prepended to every key ("model.layers.3.mlp."). ``dtype`` is the storage dtype
+    of unquantized weights (None: the checkpoint's); an MXFP4 gpt_oss checkpoint stays MXFP4 and
+    ignores it (`requantize` converts). Raises `MoEConfigError` naming the key for a missing key,
+    a wrong shape or dtype, experts of different sizes and NaN.
+    """
+    if layout not in LAYOUTS:
+        raise MoEConfigError(f"layout: unknown checkpoint layout {layout!r}; choose one of {LAYOUTS}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
+        raise MoEConfigError(f"num_experts must be a positive int (got {num_experts!r})")
+    checkpoint = _Checkpoint(tensors, prefix, layout)
+    if layout == "gpt_oss":
+        return _load_gpt_oss(checkpoint, num_experts, dtype)
+    return _load_per_expert(checkpoint, num_experts, dtype)
+
+
+def requantize(
+    weights: ExpertWeights,
+    quant: "str | QuantScheme | QuantFormat",
+    *,
+    dtype: torch.dtype | None = None,
+) -> ExpertWeights:
+    """``weights`` stored in ``quant``'s weight format (dequantize, then quantize again).
+
+    Returns ``weights`` itself when the format already matches (and, for unquantized weights, the
+    dtype too). ``dtype`` is as in `ExpertWeights.from_dense`.
+    """
+    fmt, dtype = resolve_quant(quant, dtype)
+    same_dtype = dtype is None or fmt is not QuantFormat.NONE or dtype == weights.w13.data.dtype
+    if fmt == weights.weight_format and same_dtype:
+        return weights
+    w13, w2 = weights.dequantize(torch.float32)
+    return ExpertWeights.from_dense(w13, w2, weights.b13, weights.b2, quant=fmt, dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checkpoint:
+    """One layer's tensors, read by key relative to ``prefix``; every error names the full key."""
+
+    tensors: Mapping[str, torch.Tensor]
+    prefix: str
+    layout: str  # named in errors: "mixtral", "gpt_oss (MXFP4 form)"
+
+    def has(self, key: str) -> bool:
+        return self.prefix + key in self.tensors
+
+    def missing(self, *keys: str) -> MoEConfigError:
+        names = " or ".join(repr(self.prefix + k) for k in keys)
+        near = sorted(k for k in self.tensors if k.startswith(self.prefix))[:6]
+        return MoEConfigError(
+            f"missing key {names}, which the {self.layout} layout expects; "
+            f"keys under prefix {self.prefix!r} start with {near or 'nothing'}"
+        )
+
+    def get(
+        self,
+        key: str,
+        dims: str,
+        shape: tuple[int | None, ...],
+        note: str = "",
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """The tensor at ``prefix + key``, checked for dtype, shape and NaN.
+
+        ``dims`` names the dimensions in errors ("[E, H, 2I]"); ``shape`` holds their sizes, None
+        where any size goes. ``*_blocks`` / ``*_scales`` keys are uint8, other keys ``dtype`` if
+        given, else any of `DENSE_DTYPES`.
+        """
+        full = self.prefix + key
+        if full not in self.tensors:
+            raise self.missing(key)
+        tensor = self.tensors[full]
+        if not isinstance(tensor, torch.Tensor):
+            raise MoEConfigError(f"{full!r}: expected a torch.Tensor (got {type(tensor).__name__})")
+        if key.endswith(("_blocks", "_scales")):
+            dtypes = (torch.uint8,)
+        else:
+            dtypes = DENSE_DTYPES if dtype is None else (dtype,)
+        if tensor.dtype not in dtypes:
+            fp8 = tensor.dtype.is_floating_point and tensor.element_size() == 1
+            raise MoEConfigError(
+                f"{full!r}: dtype must be one of {dtypes} for the {self.layout} layout{note} "
+                f"(got {tensor.dtype})" + ("; dequantize fp8 checkpoints first" if fp8 else "")
+            )
+        got = tuple(tensor.shape)
+        if len(got) != len(shape) or any(w is not None and w != g for w, g in zip(shape, got)):
+            want = "(" + ", ".join("*" if w is None else str(w) for w in shape) + ")"
+            raise MoEConfigError(f"{full!r}: expected shape {dims} = {want}{note} (got {got})")
+        if tensor.dtype.is_floating_point:
+            check_finite(repr(full), tensor)
+        return tensor
+
+
+def _load_per_expert(
+    checkpoint: _Checkpoint, num_experts: int, dtype: torch.dtype | None
+) -> ExpertWeights:
+    """qwen3 / deepseek / mixtral: three nn.Linear weights ``[out, in]`` per expert."""
+    gate_name, up_name, down_name = _PER_EXPERT_NAMES[checkpoint.layout]
+    first = f"experts.0.{gate_name}.weight"
+    reference = checkpoint.get(first, "[I, H]", (None, None))
+    (inter, hidden), stored = reference.shape, reference.dtype
+    beyond = f"experts.{num_experts}.{gate_name}.weight"
+    if checkpoint.has(beyond):
+        raise MoEConfigError(
+            f"found key {checkpoint.prefix + beyond!r} but num_experts={num_experts}; pass the "
+            "layer's full expert count (ExpertWeights.select_experts takes a subset)"
+        )
+    note = f" (as {checkpoint.prefix + first!r}: every expert has the same sizes and dtype)"
+    w13, w2 = [], []
+    for e in range(num_experts):
+        gate, up, down = (f"experts.{e}.{name}.weight" for name in (gate_name, up_name, down_name))
+        gate = checkpoint.get(gate, "[I, H]", (inter, hidden), note, stored)
+        up = checkpoint.get(up, "[I, H]", (inter, hidden), note, stored)
+        w13.append(torch.cat([gate, up], dim=0))
+        w2.append(checkpoint.get(down, "[H, I]", (hidden, inter), note, stored))
+    return ExpertWeights.from_dense(torch.stack(w13), torch.stack(w2), dtype=dtype)
+
+
+def _load_gpt_oss(
+    checkpoint: _Checkpoint, num_experts: int, dtype: torch.dtype | None
+) -> ExpertWeights:
+    """The MXFP4 form when its blocks are present, else the bf16 form."""
+    if checkpoint.has("experts.gate_up_proj_blocks"):
+        mxfp4 = dataclasses.replace(checkpoint, layout="gpt_oss (MXFP4 form)")
+        return _load_gpt_oss_mxfp4(mxfp4, num_experts)
+    if checkpoint.has("experts.gate_up_proj"):
+        dense = dataclasses.replace(checkpoint, layout="gpt_oss (bf16 form)")
+        return _load_gpt_oss_dense(dense, num_experts, dtype)
+    raise checkpoint.missing("experts.gate_up_proj", "experts.gate_up_proj_blocks")
+
+
+def _load_gpt_oss_dense(
+    checkpoint: _Checkpoint, num_experts: int, dtype: torch.dtype | None
+) -> ExpertWeights:
+    gate_up = checkpoint.get("experts.gate_up_proj", "[E, H, 2I]", (num_experts, None, None))
+    _, hidden, rows = gate_up.shape
+    _check_even_rows(checkpoint, "experts.gate_up_proj", rows, multiple=1)
+    down = checkpoint.get("experts.down_proj", "[E, I, H]", (num_experts, rows // 2, hidden))
+    b13, b2 = _gpt_oss_biases(checkpoint, num_experts, rows, hidden)
+    w13 = _deinterleave_rows(gate_up.transpose(1, 2))  # x @ [E, H, 2I] -> rows of [E, 2I, H]
+    return ExpertWeights.from_dense(w13, down.transpose(1, 2).contiguous(), b13, b2, dtype=dtype)
+
+
+def _load_gpt_oss_mxfp4(checkpoint: _Checkpoint, num_experts: int) -> ExpertWeights:
+    block_bytes = _MX_BLOCK // 2
+    key = "experts.gate_up_proj_blocks"
+    blocks = checkpoint.get(key, "[E, 2I, H/32, 16]", (num_experts, None, None, block_bytes))
+    experts, rows, hidden_blocks, _ = blocks.shape
+    _check_even_rows(checkpoint, key, rows, multiple=_MX_BLOCK)
+    hidden, inter = hidden_blocks * _MX_BLOCK, rows // 2
+    up_shape, down_shape = (experts, rows, hidden_blocks), (experts, hidden, inter // _MX_BLOCK)
+    scales = _e8m0(checkpoint, "experts.gate_up_proj_scales", "[E, 2I, H/32]", up_shape)
+    down_blocks = checkpoint.get(
+        "experts.down_proj_blocks", "[E, H, I/32, 16]", (*down_shape, block_bytes)
+    )
+    down_scales = _e8m0(checkpoint, "experts.down_proj_scales", "[E, H, I/32]", down_shape)
+    b13, b2 = _gpt_oss_biases(checkpoint, experts, rows, hidden)
+    # Packed bytes stay in their row, so de-interleaving rows moves data and scales alike.
+    w13 = _mxfp4_weight(blocks.reshape(experts, rows, hidden // 2), scales, deinterleave=True)
+    down_blocks = down_blocks.reshape(experts, hidden, inter // 2)
+    w2 = _mxfp4_weight(down_blocks, down_scales, deinterleave=False)
+    return ExpertWeights(w13, w2, b13, b2)
+
+
+def _e8m0(checkpoint: _Checkpoint, key: str, dims: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """MXFP4 scale bytes, which must not hold the e8m0 NaN."""
+    scale = checkpoint.get(key, dims, shape)
+    if bool((scale == _E8M0_NAN).any()):
+        raise MoEConfigError(f"{checkpoint.prefix + key!r} contains NaN at load (e8m0 byte 0xFF)")
+    return scale
+
+
+def _check_even_rows(checkpoint: _Checkpoint, key: str, rows: int, multiple: int) -> None:
+    if rows % (2 * multiple):
+        raise MoEConfigError(
+            f"{checkpoint.prefix + key!r}: the gate/up dimension 2I={rows} must be even, "
+            f"with I a multiple of {multiple}"
+        )
+
+
+def _gpt_oss_biases(
+    checkpoint: _Checkpoint, experts: int, rows: int, hidden: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(b13 [E, 2I] de-interleaved, b2 [E, H])`` in float32."""
+    b13 = checkpoint.get("experts.gate_up_proj_bias", "[E, 2I]", (experts, rows))
+    b2 = checkpoint.get("experts.down_proj_bias", "[E, H]", (experts, hidden))
+    return _deinterleave_rows(b13.float()), b2.float().contiguous()
+
+
+def _mxfp4_weight(data: torch.Tensor, scale: torch.Tensor, *, deinterleave: bool) -> QuantizedTensor:
+    if deinterleave:
+        data, scale = _deinterleave_rows(data), _deinterleave_rows(scale)
+    return QuantizedTensor(
+        data=data.contiguous(), scale=scale.contiguous(), fmt=QuantFormat.MXFP4, role="weight"
+    )
+
+
+def _deinterleave_rows(x: torch.Tensor) -> torch.Tensor:
+    """Dimension 1 from interleaved ``g0, u0, g1, u1, ...`` to ``[gate; up]``, as a new tensor."""
+    return torch.cat([x[:, 0::2], x[:, 1::2]], dim=1)

@@ -1,0 +1,105 @@
+"""``batched``: one rank, batched format -- tokens scattered into per-expert buffers ``[E_local, T, H]``.
+
+T, the rows per expert, is fixed at construction (``max_tokens_per_expert``, default the problem's
+``max_tokens``, which always suffices since a token picks an expert at most once). Shapes never depend
+on routing data, so the experts' launch is CUDA-graph friendly; the capacity check itself reads the
+largest count on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe.errors import MoEConfigError
+from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
+from moe.prepare_finalize.base import PrepareFinalize, combine_slots
+from moe.platform import Platform
+from moe.prepare_finalize.local import QUANTIZABLE, quantize_activations, single_rank_reasons
+from moe.problem import MoEProblem
+from moe.quant import QuantFormat, QuantizedTensor
+from moe.registry import register_prepare_finalize
+from moe.router import TopK
+from moe.workspace import Workspace, WorkspaceShapes
+
+
+def batch_slots(local_ids: torch.Tensor, num_local: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Places each (token, slot) in its expert's buffer, in token order.
+
+    ``local_ids [M, k]`` (-1: not here) -> (``slot_rows [M, k]`` int64 row in the flattened
+    ``[num_local * capacity]`` buffer or -1, ``tokens_per_expert [num_local]`` int32).
+    """
+    flat = local_ids.flatten().long()
+    here = flat >= 0
+    order = torch.where(here, flat, num_local).argsort(stable=True)
+    counts = torch.bincount(flat[here], minlength=num_local)
+    starts = torch.cumsum(counts, 0) - counts
+    sorted_ids = flat[order]
+    position = torch.arange(flat.numel(), device=flat.device) - starts[sorted_ids.clamp(max=num_local - 1)]
+    rows = torch.full_like(flat, -1)
+    rows[order] = torch.where(sorted_ids < num_local, sorted_ids * capacity + position, -1)
+    return rows.view_as(local_ids), counts.to(torch.int32)
+
+
+@register_prepare_finalize
+class BatchedPrepareFinalize(PrepareFinalize):
+    name = "batched"
+    format = ActivationFormat.BATCHED
+    quant_formats = QUANTIZABLE
+
+    def __init__(self, problem: MoEProblem, max_tokens_per_expert: int | None = None):
+        super().__init__(problem)
+        capacity = problem.max_tokens if max_tokens_per_expert is None else max_tokens_per_expert
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+            raise MoEConfigError(f"max_tokens_per_expert must be a positive int (got {capacity!r})")
+        self.capacity = capacity
+        self._to_local = problem.parallel.global_to_local(problem.num_experts)
+        # scale layout of one row in the activation format: read once off a tiny quantization
+        probe = quantize_activations(torch.ones(1, problem.hidden_size), problem.quant.activation)
+        self._row_layout = probe
+
+    @classmethod
+    def check(cls, problem: MoEProblem, platform: Platform | None) -> list[str]:
+        return super().check(problem, platform) + single_rank_reasons(problem)
+
+    def dispatch_shape(self, num_tokens: int) -> DispatchShape:
+        return DispatchShape(ActivationFormat.BATCHED, self.capacity)
+
+    def workspace_shapes(self, num_tokens: int) -> WorkspaceShapes:
+        # the dispatched activations are the experts' input: [E_local, T, H(/2 packed)] + row scales
+        e_local, probe = self.problem.local_num_experts, self._row_layout
+        buffers = {"x": ((e_local, self.capacity, probe.data.shape[-1]), probe.data.dtype)}
+        if probe.scale is not None and probe.scale.dim() > 0:
+            buffers["x_scale"] = ((e_local, self.capacity, probe.scale.shape[-1]), probe.scale.dtype)
+        return WorkspaceShapes.of(**buffers)
+
+    def prepare(
+        self, hidden: torch.Tensor, topk: TopK, quantize_to: QuantFormat, workspace: Workspace
+    ) -> Dispatched:
+        p = self.problem
+        to_local = torch.tensor(self._to_local, device=hidden.device)
+        slot_rows, counts = batch_slots(to_local[topk.ids.long()], p.local_num_experts, self.capacity)
+        largest = int(counts.max()) if counts.numel() else 0
+        if largest > self.capacity:
+            raise MoEConfigError(
+                f"batched prepare: an expert received {largest} tokens but max_tokens_per_expert="
+                f"{self.capacity}; raise max_tokens_per_expert (at most max_tokens={p.max_tokens} is ever needed)"
+            )
+        q = quantize_activations(hidden, quantize_to)
+        here = (slot_rows >= 0).flatten().nonzero().squeeze(1)
+        dest, src = slot_rows.flatten()[here], here // p.top_k
+        x = workspace["x"]
+        x.view(-1, x.shape[-1])[dest] = q.data[src]
+        scale = q.scale
+        if scale is not None and scale.dim() > 0:
+            scale = workspace["x_scale"]
+            scale.view(-1, scale.shape[-1])[dest] = q.scale[src]
+        batched = QuantizedTensor(data=x, scale=scale, global_scale=q.global_scale, fmt=q.fmt)
+        return Dispatched(ActivationFormat.BATCHED, batched, topk, tokens_per_expert=counts, slot_rows=slot_rows)
+
+    def finalize(self, output: ExpertsOutput, dispatched: Dispatched, topk: TopK) -> torch.Tensor:
+        if output.kind is OutputKind.REDUCED:
+            raise MoEConfigError("batched finalize takes per-slot output; experts declared reduced")
+        flat = output.out.reshape(-1, output.out.shape[-1])
+        rows = dispatched.slot_rows
+        per_slot = torch.where((rows >= 0).unsqueeze(-1), flat[rows.clamp(min=0)], 0)
+        return combine_slots(per_slot, topk, output.kind, self.problem.dtype)

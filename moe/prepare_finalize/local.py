@@ -1,0 +1,53 @@
+"""``local``: one rank, standard format. Quantizes activations when the experts want them quantized."""
+
+from __future__ import annotations
+
+import torch
+
+from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
+from moe.platform import Platform
+from moe.prepare_finalize.base import PrepareFinalize, combine_slots
+from moe.problem import MoEProblem
+from moe.quant import QuantFormat, QuantizedTensor, quantize
+from moe.registry import register_prepare_finalize
+from moe.router import TopK
+from moe.workspace import Workspace
+
+QUANTIZABLE = frozenset(QuantFormat) - {QuantFormat.NONE}
+
+
+def quantize_activations(hidden: torch.Tensor, fmt: QuantFormat) -> QuantizedTensor:
+    """``hidden [M, H]`` in ``fmt`` (unchanged for NONE); M = 0 gives empty data and scales."""
+    if fmt is QuantFormat.NONE:
+        return QuantizedTensor(data=hidden, scale=None, global_scale=None, fmt=fmt)
+    return quantize(hidden, fmt, role="activation")
+
+
+def single_rank_reasons(problem: MoEProblem) -> list[str]:
+    if problem.parallel.ep_size > 1:
+        return [f"serves one rank; ep_size={problem.parallel.ep_size} needs an all-to-all prepare/finalize"]
+    return []
+
+
+@register_prepare_finalize
+class LocalPrepareFinalize(PrepareFinalize):
+    name = "local"
+    format = ActivationFormat.STANDARD
+    quant_formats = QUANTIZABLE
+
+    @classmethod
+    def check(cls, problem: MoEProblem, platform: Platform | None) -> list[str]:
+        return super().check(problem, platform) + single_rank_reasons(problem)
+
+    def dispatch_shape(self, num_tokens: int) -> DispatchShape:
+        return DispatchShape(ActivationFormat.STANDARD, num_tokens)
+
+    def prepare(
+        self, hidden: torch.Tensor, topk: TopK, quantize_to: QuantFormat, workspace: Workspace
+    ) -> Dispatched:
+        return Dispatched(ActivationFormat.STANDARD, quantize_activations(hidden, quantize_to), topk)
+
+    def finalize(self, output: ExpertsOutput, dispatched: Dispatched, topk: TopK) -> torch.Tensor:
+        if output.kind is OutputKind.REDUCED:
+            return output.out.to(self.problem.dtype, copy=True)
+        return combine_slots(output.out, topk, output.kind, self.problem.dtype)

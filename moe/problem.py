@@ -1,0 +1,163 @@
+"""The problem an MoE layer solves: shapes, activation, quantization, dtype and parallel layout.
+
+Vocabulary (used everywhere in `moe`): M tokens, H hidden size, I intermediate size, E experts,
+k experts per token (top-k), ``w13`` the first GEMM's weights ``[E, 2I, H]`` (rows ``[gate; up]``),
+``w2`` the second's ``[E, H, I]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moe.activation import Activation
+from moe.errors import MoEConfigError
+from moe.quant.scheme import UNQUANTIZED, QuantScheme
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise MoEConfigError(f"{name} must be a positive int (got {value!r})")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Expert parallelism: this rank owns ``local_num_experts`` of the ``E`` experts.
+
+    By default rank r owns the contiguous block ``[r * E/ep, (r+1) * E/ep)``. ``expert_map`` (a tuple
+    of E ints, global id -> local id or -1 when the expert lives elsewhere) overrides that.
+    ``group`` is the torch.distributed process group (None: the default group); it takes no part in
+    equality or repr.
+    """
+
+    ep_size: int = 1
+    ep_rank: int = 0
+    expert_map: tuple[int, ...] | None = None
+    group: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        _positive("ep_size", self.ep_size)
+        if not (isinstance(self.ep_rank, int) and 0 <= self.ep_rank < self.ep_size):
+            raise MoEConfigError(f"ep_rank must be in [0, ep_size={self.ep_size}) (got {self.ep_rank!r})")
+        if self.expert_map is not None:
+            local = sorted(i for i in self.expert_map if i >= 0)
+            if local != list(range(len(local))) or any(i < -1 for i in self.expert_map):
+                raise MoEConfigError(
+                    "expert_map must map each global expert to -1 or a local id, the local ids being "
+                    f"0..n-1 each exactly once (got {self.expert_map})"
+                )
+
+    @property
+    def enabled(self) -> bool:
+        return self.ep_size > 1 or self.expert_map is not None
+
+    def global_to_local(self, num_experts: int) -> list[int]:
+        """The expert map as a list of E ints: global id -> local id, or -1 (not on this rank)."""
+        if self.expert_map is not None:
+            if len(self.expert_map) != num_experts:
+                raise MoEConfigError(
+                    f"expert_map has {len(self.expert_map)} entries but num_experts={num_experts}"
+                )
+            return list(self.expert_map)
+        if num_experts % self.ep_size:
+            raise MoEConfigError(
+                f"num_experts={num_experts} must be divisible by ep_size={self.ep_size} "
+                "for the default contiguous sharding; pass an explicit expert_map otherwise"
+            )
+        per_rank = num_experts // self.ep_size
+        first = self.ep_rank * per_rank
+        return [e - first if first <= e < first + per_rank else -1 for e in range(num_experts)]
+
+    def local_num_experts(self, num_experts: int) -> int:
+        return sum(1 for i in self.global_to_local(num_experts) if i >= 0)
+
+
+@dataclass(frozen=True)
+class MoEProblem:
+    """Everything a backend needs to know to decide whether and how it can run a layer.
+
+    >>> p = MoEProblem.create(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336)
+    >>> p.local_num_experts, p.w13_rows, str(p.quant)
+    (8, 28672, 'bf16')
+    """
+
+    num_experts: int  # E, over all ranks
+    top_k: int  # k
+    hidden_size: int  # H
+    intermediate_size: int  # I
+    activation: Activation
+    quant: QuantScheme
+    dtype: torch.dtype  # activations in and out: bfloat16, float16 or float32
+    has_bias: bool = False  # b13 [E, w13_rows] and b2 [E, H]
+    max_tokens: int = 8192  # the largest M one forward call may get (sizes the workspace)
+    parallel: ParallelConfig = ParallelConfig()
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k", "hidden_size", "intermediate_size", "max_tokens"):
+            _positive(name, getattr(self, name))
+        if self.top_k > self.num_experts:
+            raise MoEConfigError(
+                f"top_k must be <= num_experts (got top_k={self.top_k}, num_experts={self.num_experts})"
+            )
+        if self.dtype not in DTYPES.values():
+            raise MoEConfigError(
+                f"dtype must be one of torch.bfloat16, torch.float16, torch.float32 (got {self.dtype})"
+            )
+        if not isinstance(self.activation, Activation):
+            raise MoEConfigError(f"activation must be an Activation (got {self.activation!r})")
+        if not isinstance(self.quant, QuantScheme):
+            raise MoEConfigError(f"quant must be a QuantScheme (got {self.quant!r})")
+        self.parallel.global_to_local(self.num_experts)  # validates the sharding against E
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: "str | Activation" = "silu",
+        quant: "str | QuantScheme" = "bf16",
+        dtype: torch.dtype | None = None,
+        **kwargs: Any,
+    ) -> "MoEProblem":
+        """Builds a problem from names; an unquantized scheme name ("bf16") also sets the dtype."""
+        if isinstance(quant, str):
+            named_dtype = UNQUANTIZED.get(quant)
+            if named_dtype is not None and dtype is not None and dtype != named_dtype:
+                raise MoEConfigError(
+                    f"quant={quant!r} keeps weights in {named_dtype} but dtype={dtype}; "
+                    f"pass quant matching the dtype (one of {tuple(UNQUANTIZED)}) or leave dtype out"
+                )
+            dtype = dtype or named_dtype
+            quant = QuantScheme.from_name(quant)
+        return cls(
+            num_experts=num_experts,
+            top_k=top_k,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            activation=Activation.parse(activation),
+            quant=quant,
+            dtype=dtype or torch.bfloat16,
+            **kwargs,
+        )
+
+    @property
+    def local_num_experts(self) -> int:
+        return self.parallel.local_num_experts(self.num_experts)
+
+    @property
+    def w13_rows(self) -> int:
+        return self.activation.w13_rows(self.intermediate_size)
+
+    @property
+    def quant_name(self) -> str:
+        """The scheme's name, with unquantized schemes named by their dtype ("bf16")."""
+        if self.quant.is_quantized:
+            return self.quant.name
+        return next(name for name, dt in DTYPES.items() if dt == self.dtype)

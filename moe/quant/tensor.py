@@ -1,0 +1,153 @@
+"""`QuantizedTensor` and the generic `quantize` / `dequantize` that dispatch on its `QuantFormat`.
+
+The numerics live in the per-format modules (fp8.py, mx.py, nvfp4.py, fp4.py); this module only
+picks one by format and role and records the result. Scale shapes by role::
+
+    format       weight x [E, N, K]                     activation x [M, K]
+    NONE         scale None                             scale None
+    FP8_TENSOR   fp32 [E]                               fp32 []  (0-dim)
+    FP8_ROW      fp32 [E, N, 1]                         fp32 [M, 1]
+    FP8_BLOCK    fp32 [E, ceil(N/128), ceil(K/128)]     fp32 [M, ceil(K/128)]
+    MXFP8        uint8 e8m0 [E, N, K/32]                uint8 e8m0 [M, K/32]
+    MXFP4        uint8 e8m0 [E, N, K/32]                uint8 e8m0 [M, K/32]
+    NVFP4        e4m3 [E, N, K/16], global fp32 [E]     e4m3 [M, K/16], global fp32 []
+
+Example::
+
+    >>> w = torch.randn(8, 256, 128)                   # E=8 experts, N=256, K=128
+    >>> q = quantize(w, QuantFormat.MXFP4, "weight")
+    >>> q.data.shape, q.scale.shape, q.shape           # payload halved, logical shape kept
+    (torch.Size([8, 256, 64]), torch.Size([8, 256, 4]), torch.Size([8, 256, 128]))
+    >>> dequantize(q).shape
+    torch.Size([8, 256, 128])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from moe.errors import MoEConfigError
+from moe.quant import fp8, mx, nvfp4
+from moe.quant.fp8 import E4M3_DTYPE, check_quantize_input
+from moe.quant.scheme import QuantFormat
+
+Role = Literal["weight", "activation"]
+ROLES: tuple[str, ...] = ("weight", "activation")
+_RANK = {"weight": 3, "activation": 2}  # weights are [E, N, K], activations [M, K]
+_RANK_LAYOUT = {"weight": "[E, N, K]", "activation": "[M, K]"}
+
+# (payload dtype, scale dtype) of each quantized format; global_scale is fp32 and NVFP4-only.
+_STORAGE_DTYPES = {
+    QuantFormat.FP8_TENSOR: (E4M3_DTYPE, torch.float32),
+    QuantFormat.FP8_ROW: (E4M3_DTYPE, torch.float32),
+    QuantFormat.FP8_BLOCK: (E4M3_DTYPE, torch.float32),
+    QuantFormat.MXFP8: (E4M3_DTYPE, torch.uint8),
+    QuantFormat.MXFP4: (torch.uint8, torch.uint8),
+    QuantFormat.NVFP4: (torch.uint8, E4M3_DTYPE),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantizedTensor:
+    """One tensor in a `QuantFormat`, with the scales needed to dequantize it (table above)."""
+
+    data: torch.Tensor  # payload: e4m3, uint8 packed e2m1 (last dim halved), or x itself for NONE
+    scale: torch.Tensor | None  # fp32 (FP8_*), uint8 e8m0 (MX*), e4m3 (NVFP4); None for NONE
+    global_scale: torch.Tensor | None = None  # NVFP4 only: fp32 dequant multiplier, [E] or 0-dim
+    fmt: QuantFormat  # how data and scale are stored
+    # "weight" ([E, N, K]) or "activation" ([M, K], or [E, T, K] batched). Only FP8_BLOCK reads it
+    # (128x128 blocks vs 1x128 groups); a wrong role there fails dequantize's scale-shape check.
+    role: Role = "activation"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fmt", QuantFormat.parse(self.fmt))
+        _check_role(self.role)
+        if self.fmt is QuantFormat.NONE:
+            if self.scale is not None or self.global_scale is not None:
+                raise MoEConfigError("scale: must be None for QuantFormat.NONE (got a tensor)")
+            return
+        data_dtype, scale_dtype = _STORAGE_DTYPES[self.fmt]
+        if self.data.dtype != data_dtype or self.scale is None or self.scale.dtype != scale_dtype:
+            got = None if self.scale is None else self.scale.dtype
+            raise MoEConfigError(
+                f"data/scale: {self.fmt!r} stores {data_dtype} data with {scale_dtype} scales "
+                f"(got {self.data.dtype} data with {got} scales)"
+            )
+        needs_global = self.fmt is QuantFormat.NVFP4
+        if needs_global != (self.global_scale is not None):
+            raise MoEConfigError(
+                f"global_scale: {self.fmt!r} {'needs' if needs_global else 'takes no'} global scale"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        """The logical (dequantized) shape: the payload's, with the last dim doubled for fp4."""
+        if not self.fmt.is_packed_fp4:
+            return self.data.shape
+        return torch.Size((*self.data.shape[:-1], 2 * self.data.shape[-1]))
+
+
+def quantize(x: torch.Tensor, fmt: QuantFormat, role: Role) -> QuantizedTensor:
+    """Store ``x`` (weight ``[E, N, K]`` or activation ``[M, K]``) in ``fmt``; see the table."""
+    fmt = QuantFormat.parse(fmt)
+    _check_role(role)
+    _check_rank(x, role)
+    batch_dims = 1 if role == "weight" else 0  # weights get per-expert tensor/global scales
+    global_scale = None
+    if fmt is QuantFormat.NONE:
+        check_quantize_input(x, "x")
+        data, scale = x, None
+    elif fmt is QuantFormat.FP8_TENSOR:
+        data, scale = fp8.quantize_fp8_per_tensor(x, batch_dims)
+    elif fmt is QuantFormat.FP8_ROW:
+        data, scale = fp8.quantize_fp8_rowwise(x)
+    elif fmt is QuantFormat.FP8_BLOCK and role == "weight":
+        data, scale = fp8.quantize_fp8_blockwise(x, fp8.FP8_BLOCK_SHAPE)
+    elif fmt is QuantFormat.FP8_BLOCK:
+        data, scale = fp8.quantize_fp8_groupwise(x, fp8.FP8_GROUP_SIZE)
+    elif fmt is QuantFormat.MXFP8:
+        data, scale = mx.quantize_mxfp8(x)
+    elif fmt is QuantFormat.MXFP4:
+        data, scale = mx.quantize_mxfp4(x)
+    else:
+        assert fmt is QuantFormat.NVFP4, fmt
+        data, scale, global_scale = nvfp4.quantize_nvfp4(x, batch_dims)
+    return QuantizedTensor(data=data, scale=scale, global_scale=global_scale, fmt=fmt, role=role)
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values ``q`` stands for, in ``dtype``, shaped like the tensor that was quantized."""
+    fmt = q.fmt
+    if fmt is QuantFormat.NONE:
+        return q.data.to(dtype)
+    if fmt is QuantFormat.FP8_TENSOR:
+        return fp8.dequantize_fp8_per_tensor(q.data, q.scale, dtype)
+    if fmt is QuantFormat.FP8_ROW:
+        return fp8.dequantize_fp8_rowwise(q.data, q.scale, dtype)
+    if fmt is QuantFormat.FP8_BLOCK and q.role == "weight":
+        return fp8.dequantize_fp8_blockwise(q.data, q.scale, fp8.FP8_BLOCK_SHAPE, dtype)
+    if fmt is QuantFormat.FP8_BLOCK:
+        return fp8.dequantize_fp8_groupwise(q.data, q.scale, fp8.FP8_GROUP_SIZE, dtype)
+    if fmt is QuantFormat.MXFP8:
+        return mx.dequantize_mxfp8(q.data, q.scale, dtype)
+    if fmt is QuantFormat.MXFP4:
+        return mx.dequantize_mxfp4(q.data, q.scale, dtype)
+    assert fmt is QuantFormat.NVFP4, fmt
+    return nvfp4.dequantize_nvfp4(q.data, q.scale, q.global_scale, dtype)
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise MoEConfigError(f"role: must be one of {', '.join(ROLES)} (got {role!r})")
+
+
+def _check_rank(x: torch.Tensor, role: Role) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != _RANK[role]:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise MoEConfigError(
+            f"x: a {role} must be {_RANK_LAYOUT[role]} ({_RANK[role]} dims) for quantize "
+            f"(got {got})"
+        )
