@@ -50,6 +50,7 @@ import torch
 
 from moe.errors import MoEConfigError
 from moe.quant import QuantFormat, QuantizedTensor, QuantScheme
+from moe.quant.mx import MX_BLOCK  # 32 elements (16 bytes of e2m1) per e8m0 scale
 from moe.weights import DENSE_DTYPES, ExpertWeights, check_finite, resolve_quant
 
 LAYOUTS = ("qwen3", "deepseek", "mixtral", "gpt_oss")
@@ -61,7 +62,6 @@ _PER_EXPERT_NAMES = {
     "mixtral": ("w1", "w3", "w2"),
 }
 _E8M0_NAN = 0xFF  # the e8m0 encoding of NaN
-_MX_BLOCK = 32  # elements per MXFP4 block (one scale byte, 16 data bytes)
 
 
 def load_experts(
@@ -98,7 +98,8 @@ def requantize(
     """``weights`` stored in ``quant``'s weight format (dequantize, then quantize again).
 
     Returns ``weights`` itself when the format already matches (and, for unquantized weights, the
-    dtype too). ``dtype`` is as in `ExpertWeights.from_dense`.
+    dtype too). ``dtype`` is as in `ExpertWeights.from_dense`; unquantized results default to
+    float32 unless ``quant`` names a dtype ("bf16").
     """
     fmt, dtype = resolve_quant(quant, dtype)
     same_dtype = dtype is None or fmt is not QuantFormat.NONE or dtype == weights.w13.data.dtype
@@ -217,13 +218,13 @@ def _load_gpt_oss_dense(
 
 
 def _load_gpt_oss_mxfp4(checkpoint: _Checkpoint, num_experts: int) -> ExpertWeights:
-    block_bytes = _MX_BLOCK // 2
+    block_bytes = MX_BLOCK // 2
     key = "experts.gate_up_proj_blocks"
     blocks = checkpoint.get(key, "[E, 2I, H/32, 16]", (num_experts, None, None, block_bytes))
     experts, rows, hidden_blocks, _ = blocks.shape
-    _check_even_rows(checkpoint, key, rows, multiple=_MX_BLOCK)
-    hidden, inter = hidden_blocks * _MX_BLOCK, rows // 2
-    up_shape, down_shape = (experts, rows, hidden_blocks), (experts, hidden, inter // _MX_BLOCK)
+    _check_even_rows(checkpoint, key, rows, multiple=MX_BLOCK)
+    hidden, inter = hidden_blocks * MX_BLOCK, rows // 2
+    up_shape, down_shape = (experts, rows, hidden_blocks), (experts, hidden, inter // MX_BLOCK)
     scales = _e8m0(checkpoint, "experts.gate_up_proj_scales", "[E, 2I, H/32]", up_shape)
     down_blocks = checkpoint.get(
         "experts.down_proj_blocks", "[E, H, I/32, 16]", (*down_shape, block_bytes)

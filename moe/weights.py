@@ -26,16 +26,15 @@ import torch
 
 from moe.errors import MoEConfigError
 from moe.quant import QuantFormat, QuantizedTensor, QuantScheme, dequantize, quantize
+from moe.quant.fp8 import FP8_BLOCK_SHAPE
+from moe.quant.mx import MX_BLOCK
+from moe.quant.nvfp4 import NVFP4_BLOCK
 from moe.quant.scheme import SCHEME_NAMES, UNQUANTIZED
 
 if TYPE_CHECKING:
     from moe.problem import MoEProblem
 
 DENSE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what unquantized weights may be
-
-_FP8_BLOCK = 128  # FP8_BLOCK weight scales cover 128 x 128 tiles
-_MX_BLOCK = 32  # MXFP8 / MXFP4: one e8m0 scale per 32 elements along K
-_NVFP4_BLOCK = 16  # NVFP4: one e4m3 scale per 16 elements along K
 
 
 @dataclass(frozen=True)
@@ -120,8 +119,7 @@ class ExpertWeights:
         if dtype is not None:
             w13, w2 = w13.to(dtype), w2.to(dtype)
         bias = [None if b is None else b.to(torch.float32).contiguous() for b in (b13, b2)]
-        w13, w2 = (quantize(w.contiguous(), fmt, "weight") for w in (w13, w2))
-        return cls(w13, w2, *bias)
+        return cls(_store(w13, fmt), _store(w2, fmt), *bias)
 
     @property
     def num_experts(self) -> int:
@@ -179,8 +177,8 @@ class ExpertWeights:
         if len(set(ids)) != len(ids):
             raise MoEConfigError(f"expert_ids: each expert may be selected once (got {ids})")
         index = torch.tensor(ids, dtype=torch.long, device=self.device)
-        # Tensors without a leading expert dimension (a per-tensor global scale) are shared.
-        return self._map(lambda t: t.index_select(0, index) if t.dim() and t.shape[0] == experts else t)
+        # Every tensor of a weight starts with the expert dimension, scales included.
+        return self._map(lambda t: t.index_select(0, index))
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "ExpertWeights":
         def on(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -263,18 +261,28 @@ def check_shapes(
 def expected_scales(
     fmt: QuantFormat, shape: tuple[int, int, int]
 ) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
-    """``(scale shape, global_scale shape)`` of a weight of unpacked shape ``[E, N, K]`` in ``fmt``."""
+    """``(scale shape, global_scale shape)`` of a weight of unpacked shape ``[E, N, K]`` in ``fmt``.
+
+    The weight column of the table in moe/quant/tensor.py, which has no function for it yet.
+    """
     experts, rows, cols = shape
+    block_rows, block_cols = FP8_BLOCK_SHAPE
     table = {
         QuantFormat.NONE: (None, None),
         QuantFormat.FP8_TENSOR: ((experts,), None),
         QuantFormat.FP8_ROW: ((experts, rows, 1), None),
-        QuantFormat.FP8_BLOCK: ((experts, -(-rows // _FP8_BLOCK), -(-cols // _FP8_BLOCK)), None),
-        QuantFormat.MXFP8: ((experts, rows, cols // _MX_BLOCK), None),
-        QuantFormat.MXFP4: ((experts, rows, cols // _MX_BLOCK), None),
-        QuantFormat.NVFP4: ((experts, rows, cols // _NVFP4_BLOCK), (experts,)),
+        QuantFormat.FP8_BLOCK: ((experts, -(-rows // block_rows), -(-cols // block_cols)), None),
+        QuantFormat.MXFP8: ((experts, rows, cols // MX_BLOCK), None),
+        QuantFormat.MXFP4: ((experts, rows, cols // MX_BLOCK), None),
+        QuantFormat.NVFP4: ((experts, rows, cols // NVFP4_BLOCK), (experts,)),
     }
     return table[fmt]
+
+
+def _store(x: torch.Tensor, fmt: QuantFormat) -> QuantizedTensor:
+    if fmt is QuantFormat.NONE:  # built directly: quantize() would scan for NaN again
+        return QuantizedTensor(data=x.contiguous(), scale=None, fmt=fmt, role="weight")
+    return quantize(x.contiguous(), fmt, "weight")
 
 
 def _size_mismatches(weights: ExpertWeights, problem: "MoEProblem") -> list[str]:
@@ -307,7 +315,8 @@ def _size_mismatches(weights: ExpertWeights, problem: "MoEProblem") -> list[str]
 
 def _storage_mismatches(weights: ExpertWeights, problem: "MoEProblem") -> list[str]:
     reasons = []
-    if weights.has_bias != problem.has_bias or (problem.has_bias and None in (weights.b13, weights.b2)):
+    both = weights.b13 is not None and weights.b2 is not None
+    if weights.has_bias != problem.has_bias or (problem.has_bias and not both):
         present = [n for n in ("b13", "b2") if getattr(weights, n) is not None] or ["none"]
         needs = "both b13 and b2" if problem.has_bias else "none"
         reasons.append(

@@ -11,6 +11,7 @@ import torch
 
 from moe.errors import MoEConfigError
 from moe.quant import (
+    SCHEME_PAIRS,
     QuantFormat,
     QuantizedTensor,
     decode_e2m1,
@@ -524,3 +525,17 @@ def test_dequantize_rejects_mismatched_scale_shape():
     q, _ = quantize_fp8_rowwise(torch.ones(4, 8))
     with pytest.raises(MoEConfigError, match=r"scale: must be float32 of shape \(4, 1\)"):
         dequantize_fp8_rowwise(q, torch.ones(4, 2))
+    data, block_scale, _ = quantize_nvfp4(torch.ones(2, 3, 32), batch_dims=1)
+    with pytest.raises(MoEConfigError, match="global_scale: must be float32 shaped like"):
+        dequantize_nvfp4(data, block_scale, torch.ones(3))
+    with pytest.raises(MoEConfigError, match="block_scale: must have shape"):
+        dequantize_nvfp4(data, block_scale[..., :1], torch.ones(2))
+
+
+@pytest.mark.parametrize("fmt", sorted({a for _, a in SCHEME_PAIRS} - {QuantFormat.NONE}))
+def test_quantize_check_finite_false_skips_the_scan(fmt):
+    """The hot path (activations) skips the host-syncing NaN scan; the result still carries the NaN."""
+    x = torch.ones(2, 32)
+    x[0, 0] = float("nan")
+    q = quantize(x, fmt, "activation", check_finite=False)
+    assert not torch.isfinite(dequantize(q)).all()

@@ -45,18 +45,19 @@ def fake_quantize(x: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     return dequantize(quantize(x, fmt, role="activation"), torch.float32)
 
 
-def dequantize_rows(x: QuantizedTensor, hidden_size: int) -> torch.Tensor:
-    """Activations of any format as float32 ``[rows, H]`` (batched buffers are flattened first)."""
-    if x.fmt is QuantFormat.NONE:
-        return x.data.reshape(-1, hidden_size).float()
-    flat = lambda t: None if t is None or t.dim() == 0 else t.reshape(-1, t.shape[-1])  # noqa: E731
-    rows = QuantizedTensor(
-        data=x.data.reshape(-1, x.data.shape[-1]),
-        scale=flat(x.scale) if x.scale is not None and x.scale.dim() > 0 else x.scale,
-        global_scale=x.global_scale,
-        fmt=x.fmt,
+def dequantize_rows(x: QuantizedTensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Activations of any format as float32 ``[n, H]``: the given rows of the flattened buffer, or all.
+
+    Batched buffers hold stale data past each expert's count, so only valid rows are dequantized.
+    """
+    flat = lambda t: t if t is None or t.dim() == 0 else t.reshape(-1, t.shape[-1])  # noqa: E731
+    pick = lambda t: t if t is None or t.dim() == 0 or rows is None else t[rows]  # noqa: E731
+    selected = QuantizedTensor(
+        data=pick(flat(x.data)), scale=pick(flat(x.scale)), global_scale=x.global_scale, fmt=x.fmt
     )
-    return dequantize(rows, torch.float32)
+    if x.fmt is QuantFormat.NONE:
+        return selected.data.float()
+    return dequantize(selected, torch.float32)
 
 
 @register_experts
@@ -84,24 +85,24 @@ class ReferenceExperts(Experts):
 
     def apply(self, dispatched: Dispatched, weights: DenseWeights, workspace: Workspace) -> ExpertsOutput:
         p = self.problem
-        x = dequantize_rows(dispatched.x, p.hidden_size)
+        device = dispatched.x.data.device
         if dispatched.format is ActivationFormat.BATCHED:
             out = workspace["out"][:, : dispatched.num_rows]
-            per_expert_rows = torch.arange(dispatched.num_rows, device=x.device)
+            per_expert_rows = torch.arange(dispatched.num_rows, device=device)
             counts = dispatched.tokens_per_expert.to(torch.long)
             valid = per_expert_rows.unsqueeze(0) < counts.unsqueeze(1)  # [E_local, T]
-            expert = torch.arange(p.local_num_experts, device=x.device).unsqueeze(1).expand_as(valid)
+            expert = torch.arange(p.local_num_experts, device=device).unsqueeze(1).expand_as(valid)
             rows, experts = valid.flatten().nonzero().squeeze(1), expert[valid]
+            x = dequantize_rows(dispatched.x, rows)
         else:
             out = workspace["out"][: dispatched.num_rows]
-            to_local = torch.tensor(p.parallel.global_to_local(p.num_experts), device=x.device)
+            to_local = torch.tensor(p.parallel.global_to_local(p.num_experts), device=device)
             local = to_local[dispatched.topk.ids.long()].flatten()  # [M' * k]
             rows = (local >= 0).nonzero().squeeze(1)
             experts = local[rows]
+            x = dequantize_rows(dispatched.x)[rows // p.top_k]
         out.zero_()
-        flat_out = out.reshape(-1, p.hidden_size)
-        token_rows = rows if dispatched.format is ActivationFormat.BATCHED else rows // p.top_k
-        flat_out[rows] = self._compute(x[token_rows], experts, weights)
+        out.reshape(-1, p.hidden_size)[rows] = self._compute(x, experts, weights)
         return ExpertsOutput(OutputKind.PER_SLOT, out)
 
     def _compute(self, x: torch.Tensor, experts: torch.Tensor, w: DenseWeights) -> torch.Tensor:

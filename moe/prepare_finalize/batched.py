@@ -54,7 +54,7 @@ class BatchedPrepareFinalize(PrepareFinalize):
         self.capacity = capacity
         self._to_local = problem.parallel.global_to_local(problem.num_experts)
         # scale layout of one row in the activation format: read once off a tiny quantization
-        probe = quantize_activations(torch.ones(1, problem.hidden_size), problem.quant.activation)
+        probe = quantize_activations(torch.ones(1, problem.hidden_size, dtype=problem.dtype), problem.quant.activation)
         self._row_layout = probe
 
     @classmethod

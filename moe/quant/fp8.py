@@ -42,8 +42,14 @@ FP8_GROUP_SIZE = 128  # activation group of the FP8_BLOCK format, along K
 QUANTIZABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check_quantize_input(x: torch.Tensor, argument: str = "x", min_dims: int = 0) -> None:
-    """Raise MoEConfigError unless ``x`` is a finite fp32/fp16/bf16 tensor of ``min_dims``+ dims."""
+def check_quantize_input(
+    x: torch.Tensor, argument: str = "x", min_dims: int = 0, finite: bool = True
+) -> None:
+    """Raise MoEConfigError unless ``x`` is a finite fp32/fp16/bf16 tensor of ``min_dims``+ dims.
+
+    ``finite=False`` skips the NaN/inf scan, which reads a flag back to the host (a device sync):
+    activations quantized on the hot path skip it, weights at load never do.
+    """
     if not isinstance(x, torch.Tensor):
         raise MoEConfigError(f"{argument}: expected a torch.Tensor (got {type(x).__name__})")
     if x.dtype not in QUANTIZABLE_DTYPES:
@@ -53,7 +59,7 @@ def check_quantize_input(x: torch.Tensor, argument: str = "x", min_dims: int = 0
         raise MoEConfigError(
             f"{argument}: needs at least {min_dims} dimensions (got shape {tuple(x.shape)})"
         )
-    if not bool(torch.isfinite(x).all()):
+    if finite and not bool(torch.isfinite(x).all()):
         what = "NaN" if bool(torch.isnan(x).any()) else "inf"
         raise MoEConfigError(
             f"{argument} contains {what}; quantization needs finite values "
@@ -74,19 +80,29 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3_DTYPE)
 
 
+def divide_by_constant(x: torch.Tensor, constant: float) -> torch.Tensor:
+    """``x / constant``, correctly rounded on every device.
+
+    On CUDA, torch computes ``tensor / python_float`` as ``tensor * (1 / python_float)``, which can
+    differ from the true quotient in the last bit (seen on an H100: amax / 448). Dividing by a
+    tensor of the constant keeps CPU and GPU results bit-identical.
+    """
+    return x / torch.full_like(x, constant)
+
+
 def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
     """The fp32 scale amax / 448; 1.0 where amax is 0."""
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return torch.where(amax > 0, divide_by_constant(amax, E4M3_MAX), torch.ones_like(amax))
 
 
 # --- per tensor ---------------------------------------------------------------------------------
 
 
 def quantize_fp8_per_tensor(
-    x: torch.Tensor, batch_dims: int = 0
+    x: torch.Tensor, batch_dims: int = 0, *, check_finite: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per index of the first ``batch_dims`` dims: scale ``x.shape[:batch_dims]``."""
-    check_quantize_input(x, "x", min_dims=1)
+    check_quantize_input(x, "x", min_dims=1, finite=check_finite)
     check_batch_dims(x, batch_dims)
     scale = fp8_scale(abs_max(x, tuple(range(batch_dims, x.dim()))))
     return to_e4m3(x.float() / broadcast_scale(scale, x.dim())), scale
@@ -103,9 +119,11 @@ def dequantize_fp8_per_tensor(
 # --- per row (per output channel of a weight, per token of an activation) -------------------------
 
 
-def quantize_fp8_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_rowwise(
+    x: torch.Tensor, *, check_finite: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per row (all leading indices): scale shape ``[..., N, 1]``."""
-    check_quantize_input(x, "x", min_dims=1)
+    check_quantize_input(x, "x", min_dims=1, finite=check_finite)
     scale = fp8_scale(abs_max(x, -1, keepdim=True))
     return to_e4m3(x.float() / scale), scale
 
@@ -122,10 +140,10 @@ def dequantize_fp8_rowwise(
 
 
 def quantize_fp8_blockwise(
-    x: torch.Tensor, block: tuple[int, int] = FP8_BLOCK_SHAPE
+    x: torch.Tensor, block: tuple[int, int] = FP8_BLOCK_SHAPE, *, check_finite: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per ``block`` tile of the last two dims: ``[..., ceil(N/bn), ceil(K/bk)]``."""
-    check_quantize_input(x, "x", min_dims=2)
+    check_quantize_input(x, "x", min_dims=2, finite=check_finite)
     _check_block("block", block, 2)
     return _quantize_tiles(x, block)
 
@@ -142,10 +160,10 @@ def dequantize_fp8_blockwise(
 
 
 def quantize_fp8_groupwise(
-    x: torch.Tensor, group_size: int = FP8_GROUP_SIZE
+    x: torch.Tensor, group_size: int = FP8_GROUP_SIZE, *, check_finite: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per ``group_size`` consecutive elements of the last dim: ``[..., ceil(K/g)]``."""
-    check_quantize_input(x, "x", min_dims=1)
+    check_quantize_input(x, "x", min_dims=1, finite=check_finite)
     _check_block("group_size", (group_size,), 1)
     return _quantize_tiles(x, (group_size,))
 

@@ -83,9 +83,9 @@ def mx_scale_bytes(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
 # --- MXFP8 / MXFP4 ------------------------------------------------------------------------------
 
 
-def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_mxfp8(x: torch.Tensor, *, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., K]`` -> (e4m3 ``[..., K]``, e8m0 uint8 ``[..., K/32]``)."""
-    blocks, scale_bytes = _scaled_blocks(x, E4M3_MAX, "mxfp8")
+    blocks, scale_bytes = _scaled_blocks(x, E4M3_MAX, "mxfp8", check_finite)
     return to_e4m3(blocks).reshape(x.shape), scale_bytes
 
 
@@ -98,9 +98,9 @@ def dequantize_mxfp8(
     return _apply_block_scales(q.float(), scale, "mxfp8").to(dtype)
 
 
-def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_mxfp4(x: torch.Tensor, *, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., K]`` -> (packed e2m1 uint8 ``[..., K/2]``, e8m0 uint8 ``[..., K/32]``)."""
-    blocks, scale_bytes = _scaled_blocks(x, E2M1_MAX, "mxfp4")
+    blocks, scale_bytes = _scaled_blocks(x, E2M1_MAX, "mxfp4", check_finite)
     return pack_e2m1(e2m1_codes(blocks).reshape(x.shape)), scale_bytes
 
 
@@ -112,9 +112,11 @@ def dequantize_mxfp4(
     return _apply_block_scales(values, scale, "mxfp4").to(dtype)
 
 
-def _scaled_blocks(x: torch.Tensor, elem_max: float, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _scaled_blocks(
+    x: torch.Tensor, elem_max: float, fmt: str, check_finite: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x as fp32 blocks ``[..., K/32, 32]`` divided by their power-of-two scale, and the bytes."""
-    check_quantize_input(x, "x", min_dims=1)
+    check_quantize_input(x, "x", min_dims=1, finite=check_finite)
     k = x.shape[-1]
     if k % MX_BLOCK:
         raise MoEConfigError(

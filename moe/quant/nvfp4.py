@@ -36,6 +36,7 @@ from moe.quant.fp8 import (
     broadcast_scale,
     check_batch_dims,
     check_quantize_input,
+    divide_by_constant,
     to_e4m3,
 )
 
@@ -50,14 +51,18 @@ def nvfp4_global_scale(x: torch.Tensor, batch_dims: int = 0) -> torch.Tensor:
 
 
 def quantize_nvfp4(
-    x: torch.Tensor, batch_dims: int = 0, global_scale: torch.Tensor | float | None = None
+    x: torch.Tensor,
+    batch_dims: int = 0,
+    global_scale: torch.Tensor | float | None = None,
+    *,
+    check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [..., K]`` -> (packed e2m1 ``[..., K/2]``, e4m3 block scale ``[..., K/16]``, global).
 
     The global scale is computed from ``x`` unless given; a given one is broadcast to
     ``x.shape[:batch_dims]`` and returned as fp32.
     """
-    check_quantize_input(x, "x", min_dims=1)
+    check_quantize_input(x, "x", min_dims=1, finite=check_finite)
     check_batch_dims(x, batch_dims)
     k = x.shape[-1]
     if k % NVFP4_BLOCK:
@@ -71,7 +76,7 @@ def quantize_nvfp4(
         global_scale = _checked_global_scale(global_scale, x, batch_dims)
     blocks = x.float().reshape(*x.shape[:-1], k // NVFP4_BLOCK, NVFP4_BLOCK)
     per_block_global = broadcast_scale(global_scale, blocks.dim() - 1)  # [..., K/16]
-    block_scale = to_e4m3(abs_max(blocks, -1) / E2M1_MAX / per_block_global)
+    block_scale = to_e4m3(divide_by_constant(abs_max(blocks, -1), E2M1_MAX) / per_block_global)
     step = (block_scale.float() * per_block_global).unsqueeze(-1)
     scaled = torch.where(step > 0, blocks / step, torch.zeros_like(blocks))
     payload = pack_e2m1(e2m1_codes(scaled).reshape(x.shape))
@@ -94,10 +99,13 @@ def dequantize_nvfp4(
         )
     if block_scale.dtype != E4M3_DTYPE:
         raise MoEConfigError(f"block_scale: dtype must be {E4M3_DTYPE} (got {block_scale.dtype})")
-    if global_scale.dtype != torch.float32 or global_scale.dim() >= values.dim():
+    batch_shape = tuple(values.shape[: global_scale.dim()])
+    is_batch_shaped = global_scale.dim() < values.dim() and global_scale.shape == batch_shape
+    if global_scale.dtype != torch.float32 or not is_batch_shaped:
         raise MoEConfigError(
-            f"global_scale: must be float32 with fewer dims than the values {tuple(values.shape)} "
-            f"(got {global_scale.dtype} {tuple(global_scale.shape)})"
+            f"global_scale: must be float32 shaped like the leading dims of the values "
+            f"{tuple(values.shape)}, e.g. [E] or [] (got {global_scale.dtype} "
+            f"{tuple(global_scale.shape)})"
         )
     blocks = values.reshape(*expected, NVFP4_BLOCK)
     blocks = blocks * block_scale.float().unsqueeze(-1)
@@ -107,7 +115,8 @@ def dequantize_nvfp4(
 
 def _global_scale_from(x: torch.Tensor, batch_dims: int) -> torch.Tensor:
     amax = abs_max(x, tuple(range(batch_dims, x.dim())))
-    return torch.where(amax > 0, amax / (E4M3_MAX * E2M1_MAX), torch.ones_like(amax))
+    global_scale = divide_by_constant(amax, E4M3_MAX * E2M1_MAX)
+    return torch.where(amax > 0, global_scale, torch.ones_like(amax))
 
 
 def _checked_global_scale(

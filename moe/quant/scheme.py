@@ -41,19 +41,16 @@ import torch
 from moe.errors import MoEConfigError
 
 
-class QuantFormat(enum.StrEnum):
+class QuantFormat(str, enum.Enum):  # not enum.StrEnum: that needs Python 3.11, we support 3.10
     """How one tensor is stored. K is the reduction (last) dimension."""
 
     NONE = "none"  # the model dtype (bf16/fp16/fp32), no scales
-    FP8_TENSOR = (
-        "fp8_tensor"  # e4m3, one fp32 scale per expert (weights) / per tensor (activations)
-    )
-    FP8_ROW = (
-        "fp8_row"  # e4m3, one fp32 scale per output channel (weights) / per token (activations)
-    )
-    FP8_BLOCK = (
-        "fp8_block"  # e4m3, fp32 scale per 128x128 weight block / per 1x128 activation group
-    )
+    # e4m3 + fp32 scale per expert (weights) / per tensor (activations)
+    FP8_TENSOR = "fp8_tensor"
+    # e4m3 + fp32 scale per output channel (weights) / per token (activations)
+    FP8_ROW = "fp8_row"
+    # e4m3 + fp32 scale per 128x128 weight block / per 1x128 activation group
+    FP8_BLOCK = "fp8_block"
     MXFP8 = "mxfp8"  # e4m3 + e8m0 scale per 32 along K
     MXFP4 = "mxfp4"  # e2m1 packed 2/byte (low nibble = even element) + e8m0 scale per 32 along K
     NVFP4 = "nvfp4"  # e2m1 packed + e4m3 scale per 16 along K + fp32 global scale
@@ -61,6 +58,9 @@ class QuantFormat(enum.StrEnum):
     def __repr__(self) -> str:
         # "QuantFormat.FP8_TENSOR" evaluates back to the member, so dataclass reprs round-trip.
         return f"QuantFormat.{self.name}"
+
+    def __str__(self) -> str:
+        return self.value
 
     @classmethod
     def parse(cls, value: object, argument: str = "fmt") -> QuantFormat:

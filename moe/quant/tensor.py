@@ -90,31 +90,37 @@ class QuantizedTensor:
         return torch.Size((*self.data.shape[:-1], 2 * self.data.shape[-1]))
 
 
-def quantize(x: torch.Tensor, fmt: QuantFormat, role: Role) -> QuantizedTensor:
-    """Store ``x`` (weight ``[E, N, K]`` or activation ``[M, K]``) in ``fmt``; see the table."""
+def quantize(
+    x: torch.Tensor, fmt: QuantFormat, role: Role, *, check_finite: bool = True
+) -> QuantizedTensor:
+    """Store ``x`` (weight ``[E, N, K]`` or activation ``[M, K]``) in ``fmt``; see the table.
+
+    ``check_finite=False`` skips the NaN/inf scan (a host sync on GPU); for the hot path only.
+    """
+    finite = dict(check_finite=check_finite)
     fmt = QuantFormat.parse(fmt)
     _check_role(role)
     _check_rank(x, role)
     batch_dims = 1 if role == "weight" else 0  # weights get per-expert tensor/global scales
     global_scale = None
     if fmt is QuantFormat.NONE:
-        check_quantize_input(x, "x")
+        check_quantize_input(x, "x", finite=check_finite)
         data, scale = x, None
     elif fmt is QuantFormat.FP8_TENSOR:
-        data, scale = fp8.quantize_fp8_per_tensor(x, batch_dims)
+        data, scale = fp8.quantize_fp8_per_tensor(x, batch_dims, **finite)
     elif fmt is QuantFormat.FP8_ROW:
-        data, scale = fp8.quantize_fp8_rowwise(x)
+        data, scale = fp8.quantize_fp8_rowwise(x, **finite)
     elif fmt is QuantFormat.FP8_BLOCK and role == "weight":
-        data, scale = fp8.quantize_fp8_blockwise(x, fp8.FP8_BLOCK_SHAPE)
+        data, scale = fp8.quantize_fp8_blockwise(x, fp8.FP8_BLOCK_SHAPE, **finite)
     elif fmt is QuantFormat.FP8_BLOCK:
-        data, scale = fp8.quantize_fp8_groupwise(x, fp8.FP8_GROUP_SIZE)
+        data, scale = fp8.quantize_fp8_groupwise(x, fp8.FP8_GROUP_SIZE, **finite)
     elif fmt is QuantFormat.MXFP8:
-        data, scale = mx.quantize_mxfp8(x)
+        data, scale = mx.quantize_mxfp8(x, **finite)
     elif fmt is QuantFormat.MXFP4:
-        data, scale = mx.quantize_mxfp4(x)
+        data, scale = mx.quantize_mxfp4(x, **finite)
     else:
         assert fmt is QuantFormat.NVFP4, fmt
-        data, scale, global_scale = nvfp4.quantize_nvfp4(x, batch_dims)
+        data, scale, global_scale = nvfp4.quantize_nvfp4(x, batch_dims, **finite)
     return QuantizedTensor(data=data, scale=scale, global_scale=global_scale, fmt=fmt, role=role)
 
 

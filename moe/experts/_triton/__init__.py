@@ -1,0 +1,21 @@
+"""Triton kernels behind the ``triton`` and ``triton_batched`` experts (private: no stable API).
+
+Layout, one concept per module; each launcher module holds the launcher and its torch twin, the
+``_``-prefixed sibling holds the ``@triton.jit`` code::
+
+    align.py   / _align.py    sort the (token, slot) pairs by expert and pad each expert to BLOCK_M
+    gemm.py    / _gemm.py     the grouped GEMMs: w13 with the activation fused in, then w2
+    rows.py    / _rows.py     per-row helpers: fp8 activation quantization, weighted sum over k
+    config.py                 launch configurations: data files per shape and device, defaults
+    weights.py                ``TritonWeights``: canonical weights converted once for the kernels
+
+The kernels run on CUDA GPUs (SM80+; fp8 needs SM89+) and, slowly, on CPU tensors under
+``TRITON_INTERPRET=1`` (tests use float16/float32 there: the interpreter gets bfloat16 wrong).
+"""
+
+import os
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -1,0 +1,131 @@
+"""Launch configurations: tuned ones as data files per (shape, scheme, device), and a default.
+
+A file in ``configs/`` holds one `ConfigKey`'s table: a `LaunchConfig` per token count M (the
+bucket). ``python -m moe tune`` writes them; `ConfigTable.load` reads the one matching a key and
+`ConfigTable.lookup` picks the bucket nearest to M (log scale), or the default when there is none.
+
+File name: ``E=128,k=8,H=2048,I=768,silu,bf16,standard,NVIDIA_H200.json``; content::
+
+    {"key": {...ConfigKey fields...}, "configs": {"1": {"block_m": 16, "gemm1": {...}, ...}, ...}}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe.errors import MoEConfigError
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+BLOCK_MS = (16, 32, 64, 128)  # every block_m a config may use (the workspace covers all of them)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """The tile of one GEMM's program (BLOCK_M is shared by both GEMMs: see `LaunchConfig`)."""
+
+    block_n: int
+    block_k: int
+    group_m: int = 1  # m blocks walked together, so that their A tiles stay in L2
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Both GEMMs' launch parameters for one M; ``block_m`` also sets the alignment's padding."""
+
+    block_m: int
+    gemm1: TileConfig
+    gemm2: TileConfig
+
+    def __post_init__(self):
+        if self.block_m not in BLOCK_MS:
+            raise MoEConfigError(f"block_m must be one of {BLOCK_MS} (got {self.block_m})")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LaunchConfig":
+        return cls(data["block_m"], TileConfig(**data["gemm1"]), TileConfig(**data["gemm2"]))
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """What a tuned table is valid for. ``num_experts`` is the local count (E_local)."""
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    activation: str  # the activation's name (gated and non-gated tiles differ)
+    scheme: str  # "bf16", "fp16", "fp32", or a quantized scheme's name
+    format: str  # "standard" or "batched"
+    device: str  # the GPU's name, e.g. "NVIDIA H200"
+
+    @property
+    def filename(self) -> str:
+        device = re.sub(r"[^A-Za-z0-9]+", "_", self.device).strip("_")
+        return (
+            f"E={self.num_experts},k={self.top_k},H={self.hidden_size},I={self.intermediate_size},"
+            f"{self.activation},{self.scheme},{self.format},{device}.json"
+        )
+
+
+@dataclass(frozen=True)
+class ConfigTable:
+    """The tuned configs of one key (possibly none), with the default as fallback."""
+
+    key: ConfigKey
+    configs: tuple[tuple[int, LaunchConfig], ...] = ()  # (M, config), ascending M
+
+    @classmethod
+    def load(cls, key: ConfigKey, directory: Path = CONFIG_DIR) -> "ConfigTable":
+        path = directory / key.filename
+        if not path.exists():
+            return cls(key)
+        data = json.loads(path.read_text())
+        configs = sorted((int(m), LaunchConfig.from_dict(c)) for m, c in data["configs"].items())
+        return cls(key, tuple(configs))
+
+    def save(self, directory: Path = CONFIG_DIR) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / self.key.filename
+        data = {
+            "key": dataclasses.asdict(self.key),
+            "configs": {str(m): c.to_dict() for m, c in self.configs},
+        }
+        path.write_text(json.dumps(data, indent=1) + "\n")
+        return path
+
+    @property
+    def tuned(self) -> bool:
+        return bool(self.configs)
+
+    def lookup(self, num_tokens: int) -> LaunchConfig:
+        """The config of the bucket nearest to ``num_tokens`` (log scale), else the default."""
+        if not self.configs:
+            return default_config(self.key, num_tokens)
+        target = math.log2(max(num_tokens, 1))
+        return min(self.configs, key=lambda mc: abs(math.log2(mc[0]) - target))[1]
+
+
+def default_config(key: ConfigKey, num_tokens: int) -> LaunchConfig:
+    """A sane config without tuning, by the rows each expert gets on average."""
+    rows_per_expert = num_tokens * key.top_k / max(key.num_experts, 1)
+    gated = key.activation != "relu2"
+    block_k = 128 if key.scheme in ("fp8_block", "mxfp4") or rows_per_expert <= 32 else 64
+    if rows_per_expert <= 16:  # decode: weight streaming, many narrow programs
+        tile = TileConfig(block_n=32 if gated else 64, block_k=block_k, num_warps=4, num_stages=4)
+        return LaunchConfig(16, tile, TileConfig(64, block_k, 1, 4, 4))
+    if rows_per_expert <= 128:
+        tile = TileConfig(block_n=64, block_k=block_k, group_m=1, num_warps=4, num_stages=3)
+        return LaunchConfig(32 if rows_per_expert <= 48 else 64, tile, TileConfig(128 if not gated else 64, block_k, 1, 4, 3))
+    tile1 = TileConfig(block_n=64 if gated else 128, block_k=block_k, group_m=8, num_warps=8, num_stages=3)
+    tile2 = TileConfig(block_n=128, block_k=block_k, group_m=8, num_warps=8, num_stages=3)
+    return LaunchConfig(128, tile1, tile2)

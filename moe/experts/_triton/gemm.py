@@ -1,0 +1,118 @@
+"""The grouped MoE GEMM: ``out[row] = act(a[row] @ w[expert(row)].T + bias)`` for routed rows.
+
+Rows come either from a `BlockLayout` (standard format, ``SortedRows``) or from per-expert buffers
+(batched format, ``BatchedRows``). With a gated activation the weights hold ``[gate; up]`` (2N rows)
+and the output has N columns; otherwise the output has the weights' N rows. The twin
+`grouped_gemm_reference` states the same in plain torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from moe.activation import Activation, ActivationKind
+from moe.experts._triton import _gemm
+from moe.experts._triton.align import BlockLayout
+from moe.experts._triton.config import TileConfig
+from moe.experts._triton.weights import WeightOperand
+from moe.quant import QuantFormat
+
+QUANT_CODES = {
+    QuantFormat.NONE: 0,
+    QuantFormat.FP8_TENSOR: 1,
+    QuantFormat.FP8_ROW: 2,
+    QuantFormat.FP8_BLOCK: 3,
+    QuantFormat.MXFP4: 4,
+}
+ACTIVATION_CODES = {
+    None: 0,
+    ActivationKind.SILU: 1,
+    ActivationKind.GELU: 2,
+    ActivationKind.SWIGLU_OAI: 3,
+    ActivationKind.RELU2: 4,
+}
+
+
+@dataclass(frozen=True)
+class SortedRows:
+    """Standard format: rows of a `BlockLayout`; A row = slot // a_row_div, output row = slot."""
+
+    layout: BlockLayout
+    num_slots: int  # M * k: the sentinel
+    a_row_div: int  # k when A is the token-major input, 1 when A is indexed by slot
+
+
+@dataclass(frozen=True)
+class BatchedRows:
+    """Batched format: A and output rows ``e * T + m`` for ``m < counts[e]``."""
+
+    counts: torch.Tensor  # int32 [E_local]
+    rows_per_expert: int  # T
+
+
+def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
+    """``n`` strides of ``t``, missing (or all, for None / 0-dim) ones as 0."""
+    strides = () if t is None else tuple(t.stride())
+    return (strides + (0,) * n)[:n]
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w: WeightOperand,
+    out: torch.Tensor,
+    rows: SortedRows | BatchedRows,
+    activation: Activation | None,
+    block_m: int,
+    tile: TileConfig,
+) -> torch.Tensor:
+    """Launches the kernel (no allocation). ``a [rows, K]``, ``out [rows_out, N_out]`` row-major."""
+    gated = activation is not None and activation.is_gated
+    n_out = out.shape[-1]
+    k = w.k
+    n_tiles = triton.cdiv(n_out, tile.block_n)
+    if isinstance(rows, SortedRows):
+        layout = rows.layout
+        num_m_blocks = layout.block_expert.numel()
+        grid = (num_m_blocks * n_tiles,)
+        sorted_args = (layout.sorted_slots, layout.block_expert, layout.num_padded, layout.num_padded)
+        num_slots, per_expert, a_row_div = rows.num_slots, 1, rows.a_row_div
+    else:
+        num_m_blocks = triton.cdiv(rows.rows_per_expert, block_m)
+        grid = (num_m_blocks * n_tiles, rows.counts.numel())
+        sorted_args = (rows.counts, rows.counts, rows.counts, rows.counts)
+        num_slots, per_expert, a_row_div = 0, rows.rows_per_expert, 1
+    act = activation
+    params = (act.alpha, act.beta, act.limit) if act is not None and act.alpha is not None else (0.0, 0.0, 0.0)
+    dummy = w.data
+    _gemm.moe_gemm_kernel[grid](
+        a, a_scale if a_scale is not None else dummy, w.data,
+        w.scale if w.scale is not None else dummy, w.bias if w.bias is not None else dummy, out,
+        *sorted_args,
+        num_m_blocks, num_slots, per_expert, n_out, k,
+        a.stride(0), a.stride(1), *_strides(a_scale, 2),
+        *w.data.stride(), *_strides(w.scale, 3), *_strides(w.bias, 2), out.stride(0), out.stride(1),
+        *params,
+        SORTED=isinstance(rows, SortedRows), A_ROW_DIV=a_row_div, GATED=gated,
+        ACTIVATION=ACTIVATION_CODES[None if act is None else act.kind],
+        QUANT=QUANT_CODES[w.fmt], HAS_BIAS=w.bias is not None, EVEN_K=k % tile.block_k == 0,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return out
+
+
+def grouped_gemm_reference(
+    a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, experts: torch.Tensor,
+    activation: Activation | None,
+) -> torch.Tensor:
+    """Torch twin in float32: ``a [n, K]`` dequantized rows, ``w [E, N, K]`` dequantized weights,
+    ``experts [n]`` the local expert of each row -> ``[n, N_out]``."""
+    h = torch.einsum("nk,nok->no", a.float(), w.float()[experts.long()])
+    if bias is not None:
+        h = h + bias.float()[experts.long()]
+    return h if activation is None else activation(h)

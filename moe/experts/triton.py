@@ -1,0 +1,115 @@
+"""``triton``: fused MoE experts in Triton for the standard format (rows ``[M, H]`` + top-k ids).
+
+One forward, all on the GPU, no host sync, CUDA-graph capturable (shapes depend on M only)::
+
+    align      topk ids -> rows sorted by local expert, padded to BLOCK_M     (_triton/align.py)
+    quantize   x -> fp8 when the scheme quantizes activations                 (_triton/rows.py)
+    gemm1      inter[slot] = act(x[token] @ w13[e].T + b13[e])  (gate/up fused) (_triton/gemm.py)
+    quantize   inter -> fp8 (same activation format)
+    gemm2      y[slot] = inter[slot] @ w2[e].T + b2[e]
+    combine    out[token] = sum_j topk_weights[token, j] * y[token*k + j]     (_triton/rows.py)
+
+Schemes: bf16/fp16/fp32, fp8 e4m3 W8A8 per tensor / per token+channel / 128-block, and MXFP4
+weights with unquantized activations (W4A16, dequantized tile by tile inside the GEMM). Launch
+configs come from tuned tables (``python -m moe tune``) or a default (`_triton/config.py`).
+"""
+
+from __future__ import annotations
+
+from moe.experts._triton.align import align_block_size
+from moe.experts._triton.align import workspace_buffers as align_buffers
+from moe.experts._triton.config import BLOCK_MS, ConfigTable
+from moe.experts._triton.gemm import SortedRows, grouped_gemm
+from moe.experts._triton.rows import RowValidity, combine_slots
+from moe.experts._triton.support import (
+    ACTIVATIONS,
+    DEVICES,
+    QUANT_PAIRS,
+    check_input,
+    config_key,
+    extra_reasons,
+    quant_buffers,
+    quantize_activation,
+)
+from moe.experts._triton.weights import TritonWeights, prepare_triton_weights
+from moe.experts.base import ALL_DTYPES, Capabilities, Experts
+from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
+from moe.platform import Platform
+from moe.problem import MoEProblem
+from moe.quant import QuantFormat
+from moe.registry import register_experts
+from moe.weights import ExpertWeights
+from moe.workspace import Workspace, WorkspaceShapes
+
+
+@register_experts
+class TritonExperts(Experts):
+    name = "triton"
+    capabilities = Capabilities(
+        formats=frozenset({ActivationFormat.STANDARD}),
+        quant=QUANT_PAIRS,
+        activations=ACTIVATIONS,
+        output=OutputKind.REDUCED,
+        dtypes=ALL_DTYPES,
+        devices=DEVICES,
+        min_capability=(8, 0),
+        libraries=("triton",),
+        cuda_graph_safe=True,
+        deterministic=True,  # atomics only order rows inside a tile; each row's sums are fixed
+        quantizes_input=True,  # fp8 activations are quantized here, on the GPU, without a sync
+    )
+
+    @classmethod
+    def extra_checks(cls, problem: MoEProblem, platform: Platform | None) -> list[str]:
+        return extra_reasons(problem, platform)
+
+    def prepare_weights(self, weights: ExpertWeights) -> TritonWeights:
+        weights.validate(self.problem)
+        p = self.problem
+        table = ConfigTable.load(config_key(p, "standard", weights.device))
+        expert_map = p.parallel.global_to_local(p.num_experts) if p.parallel.enabled else None
+        return prepare_triton_weights(weights, expert_map, table)
+
+    def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
+        p = self.problem
+        tokens = dispatch.max_rows
+        slots = tokens * p.top_k
+        act = p.quant.activation
+        return WorkspaceShapes.of(
+            out=((tokens, p.hidden_size), p.dtype),
+            inter=((slots, p.intermediate_size), p.dtype),
+            y=((slots, p.hidden_size), p.dtype),
+            **align_buffers(slots, p.local_num_experts, BLOCK_MS),
+            **quant_buffers(act, "x", tokens, p.hidden_size),
+            **quant_buffers(act, "inter", slots, p.intermediate_size),
+        )
+
+    def apply(self, dispatched: Dispatched, weights: TritonWeights, workspace: Workspace) -> ExpertsOutput:
+        p = self.problem
+        check_input(dispatched.x, p)
+        tokens, k = dispatched.topk.ids.shape
+        slots = tokens * k
+        out = workspace["out"][:tokens]
+        if tokens == 0:
+            return ExpertsOutput(OutputKind.REDUCED, out)
+        config = weights.configs.lookup(tokens)
+        # 1. routing -> blocks of rows sorted by expert
+        layout = align_block_size(
+            dispatched.topk.ids, weights.expert_map, p.local_num_experts, config.block_m, workspace
+        )
+        here = RowValidity(local_ids=layout.local_ids if weights.expert_map is not None else None)
+        # 2. first GEMM with the activation fused in
+        x, x_scale = dispatched.x.data, dispatched.x.scale
+        if dispatched.x.fmt is QuantFormat.NONE:
+            x, x_scale = quantize_activation(x, p.quant.activation, "x", workspace, RowValidity())
+        inter = workspace["inter"][:slots]
+        grouped_gemm(x, x_scale, weights.w13, inter, SortedRows(layout, slots, k), p.activation,
+                     config.block_m, config.gemm1)
+        # 3. second GEMM on the (quantized) intermediate, one row per slot
+        a2, a2_scale = quantize_activation(inter, p.quant.activation, "inter", workspace, here)
+        y = workspace["y"][:slots]
+        grouped_gemm(a2, a2_scale, weights.w2, y, SortedRows(layout, slots, 1), None,
+                     config.block_m, config.gemm2)
+        # 4. router weights and the sum over k
+        combine_slots(y, dispatched.topk.weights, here.local_ids, out)
+        return ExpertsOutput(OutputKind.REDUCED, out)

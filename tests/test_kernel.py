@@ -1,0 +1,149 @@
+"""ModularKernel: composition checks, workspace accounting, input validation, M = 0."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe import (
+    BatchedPrepareFinalize,
+    LocalPrepareFinalize,
+    MoEConfigError,
+    ModularKernel,
+    ReferenceExperts,
+    TopK,
+    TorchGroupedExperts,
+    UnsupportedError,
+    WorkspaceError,
+)
+from moe.experts.base import Capabilities
+from moe.formats import ActivationFormat, OutputKind
+from moe.quant import QuantFormat
+from tests.helpers import make_problem, random_inputs, random_weights
+
+
+def test_composition_rejects_format_mismatch():
+    p = make_problem()
+    with pytest.raises(MoEConfigError, match="batched format but torch_grouped takes standard"):
+        ModularKernel(BatchedPrepareFinalize(p), TorchGroupedExperts(p))
+
+
+def test_composition_rejects_different_problems():
+    with pytest.raises(MoEConfigError, match="different MoEProblems"):
+        ModularKernel(LocalPrepareFinalize(make_problem()), ReferenceExperts(make_problem(top_k=3)))
+
+
+def test_composition_reports_every_problem_at_once():
+    class ReducedBatched(ReferenceExperts):
+        name = "test_reduced_batched"
+        capabilities = Capabilities(
+            formats=frozenset({ActivationFormat.BATCHED}),
+            quant=frozenset({(QuantFormat.NONE, QuantFormat.NONE)}),
+            activations=ReferenceExperts.capabilities.activations,
+            output=OutputKind.REDUCED,
+        )
+
+    p = make_problem()
+    with pytest.raises(MoEConfigError) as info:
+        ModularKernel(LocalPrepareFinalize(p), ReducedBatched(make_problem(top_k=3)))
+    message = str(info.value)
+    assert "different MoEProblems" in message and "produces the standard format" in message
+
+
+def test_composition_rejects_unquantizable_activation_format():
+    class NoQuantLocal(LocalPrepareFinalize):
+        name = "test_no_quant_local"
+        quant_formats = frozenset()
+
+    p = make_problem(QuantFormat.FP8_TENSOR, quant="fp8")
+    with pytest.raises(MoEConfigError, match="wants fp8_tensor activations"):
+        ModularKernel(NoQuantLocal(p), ReferenceExperts(p))
+
+
+def test_experts_construction_lists_all_reasons():
+    p = make_problem(QuantFormat.FP8_TENSOR, quant="fp8", activation="gelu")
+    with pytest.raises(UnsupportedError) as info:
+        TorchGroupedExperts(p)
+    assert any("quant fp8_tensor" in r for r in info.value.reasons)
+
+
+def test_workspace_bytes_is_exact_and_known_before_forward():
+    p = make_problem(max_tokens=64)
+    kernel = ModularKernel(LocalPrepareFinalize(p), TorchGroupedExperts(p))
+    expected = kernel.workspace_bytes(64)
+    assert expected == kernel.workspace_shapes(64).nbytes > 0
+    assert kernel.workspace.reserved_bytes == 0
+    assert kernel.reserve(lock=True) == expected
+    weights = kernel.experts.prepare_weights(random_weights(p))
+    hidden, topk = random_inputs(p, 64)
+    kernel.forward(hidden, topk, weights)
+    assert kernel.workspace.reserved_bytes == expected  # nothing grew during the forward
+
+
+def test_locked_workspace_too_small_names_caller_and_bytes():
+    p = make_problem(max_tokens=64)
+    kernel = ModularKernel(LocalPrepareFinalize(p), TorchGroupedExperts(p))
+    kernel.reserve(8, lock=True)
+    hidden, topk = random_inputs(p, 64)
+    with pytest.raises(WorkspaceError, match=r"ModularKernel\(local \+ torch_grouped\) needs \d+ bytes"):
+        kernel.forward(hidden, topk, kernel.experts.prepare_weights(random_weights(p)))
+
+
+@pytest.mark.parametrize("pf_cls", [LocalPrepareFinalize, BatchedPrepareFinalize])
+def test_zero_tokens(pf_cls):
+    p = make_problem()
+    kernel = ModularKernel(pf_cls(p), ReferenceExperts(p))
+    hidden, topk = random_inputs(p, 0)
+    out = kernel.forward(hidden, topk, kernel.experts.prepare_weights(random_weights(p)))
+    assert out.shape == (0, p.hidden_size) and out.dtype == p.dtype
+
+
+def _kernel_and_inputs(m=5):
+    p = make_problem(max_tokens=16)
+    kernel = ModularKernel(LocalPrepareFinalize(p), ReferenceExperts(p))
+    hidden, topk = random_inputs(p, m)
+    return p, kernel, hidden, topk, kernel.experts.prepare_weights(random_weights(p))
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda h, t: (h[:, :-1], t), r"hidden must be \[M, 40\]"),
+        (lambda h, t: (h.float(), t), "hidden must be torch.bfloat16"),
+        (lambda h, t: (h.unsqueeze(0), t), r"hidden must be \[M, 40\]"),
+        (lambda h, t: (h[:3], t), r"topk.ids must be \[M, top_k\] = \[3, 2\]"),
+        (lambda h, t: (h, TopK(t.ids + 6, t.weights)), r"topk.ids must lie in \[0, num_experts=6\)"),
+        (lambda h, t: (h, TopK(t.ids - 6, t.weights)), r"topk.ids must lie in \[0, num_experts=6\)"),
+        (lambda h, t: (torch.zeros(17, 40, dtype=torch.bfloat16), TopK(torch.zeros(17, 2, dtype=torch.int32), torch.zeros(17, 2))), "exceeds max_tokens=16"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(mutate, match):
+    _, kernel, hidden, topk, weights = _kernel_and_inputs()
+    hidden, topk = mutate(hidden, topk)
+    with pytest.raises(MoEConfigError, match=match):
+        kernel.forward(hidden, topk, weights)
+
+
+def test_batched_capacity_overflow_is_an_error():
+    p = make_problem()
+    kernel = ModularKernel(BatchedPrepareFinalize(p, max_tokens_per_expert=2), ReferenceExperts(p))
+    hidden = torch.randn(5, p.hidden_size).to(p.dtype)
+    ids = torch.tensor([[0, 1]] * 5, dtype=torch.int32)  # expert 0 gets 5 tokens, capacity 2
+    topk = TopK(ids, torch.full((5, 2), 0.5))
+    with pytest.raises(MoEConfigError, match="received 5 tokens but max_tokens_per_expert=2"):
+        kernel.forward(hidden, topk, kernel.experts.prepare_weights(random_weights(p)))
+
+
+def test_batched_capacity_must_be_positive():
+    with pytest.raises(MoEConfigError, match="max_tokens_per_expert must be a positive int"):
+        BatchedPrepareFinalize(make_problem(), max_tokens_per_expert=0)
+
+
+def test_local_rejects_expert_parallel_problem():
+    from moe import MoEProblem, ParallelConfig
+
+    p = MoEProblem.create(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16,
+                          parallel=ParallelConfig(ep_size=2, ep_rank=0))
+    assert any("ep_size=2 needs an all-to-all" in r for r in LocalPrepareFinalize.check(p, None))
+    with pytest.raises(MoEConfigError, match="ep_size=2 needs an all-to-all"):
+        ModularKernel(LocalPrepareFinalize(p), ReferenceExperts(p))
