@@ -147,3 +147,9 @@ def test_local_rejects_expert_parallel_problem():
     assert any("ep_size=2 needs an all-to-all" in r for r in LocalPrepareFinalize.check(p, None))
     with pytest.raises(MoEConfigError, match="ep_size=2 needs an all-to-all"):
         ModularKernel(LocalPrepareFinalize(p), ReferenceExperts(p))
+
+
+def test_hidden_on_another_device_is_rejected():
+    _, kernel, hidden, topk, weights = _kernel_and_inputs()
+    with pytest.raises(MoEConfigError, match="hidden is on meta but the kernel was built for cpu"):
+        kernel.forward(hidden.to("meta"), topk, weights)

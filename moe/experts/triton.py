@@ -24,6 +24,7 @@ from moe.experts._triton.rows import RowValidity, combine_slots
 from moe.experts._triton.support import (
     ACTIVATIONS,
     DEVICES,
+    DTYPES,
     QUANT_PAIRS,
     check_input,
     config_key,
@@ -32,7 +33,7 @@ from moe.experts._triton.support import (
     quantize_activation,
 )
 from moe.experts._triton.weights import TritonWeights, prepare_triton_weights
-from moe.experts.base import ALL_DTYPES, Capabilities, Experts
+from moe.experts.base import Capabilities, Experts
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
 from moe.platform import Platform
 from moe.problem import MoEProblem
@@ -50,7 +51,7 @@ class TritonExperts(Experts):
         quant=QUANT_PAIRS,
         activations=ACTIVATIONS,
         output=OutputKind.REDUCED,
-        dtypes=ALL_DTYPES,
+        dtypes=DTYPES,
         devices=DEVICES,
         min_capability=(8, 0),
         libraries=("triton",),

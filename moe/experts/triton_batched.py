@@ -15,6 +15,7 @@ from moe.experts._triton.rows import RowValidity
 from moe.experts._triton.support import (
     ACTIVATIONS,
     DEVICES,
+    DTYPES,
     QUANT_PAIRS,
     check_input,
     config_key,
@@ -24,7 +25,7 @@ from moe.experts._triton.support import (
     quantize_activation,
 )
 from moe.experts._triton.weights import TritonWeights, prepare_triton_weights
-from moe.experts.base import ALL_DTYPES, Capabilities, Experts
+from moe.experts.base import Capabilities, Experts
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
 from moe.platform import Platform
 from moe.problem import MoEProblem
@@ -42,7 +43,7 @@ class TritonBatchedExperts(Experts):
         quant=QUANT_PAIRS,
         activations=ACTIVATIONS,
         output=OutputKind.PER_SLOT,
-        dtypes=ALL_DTYPES,
+        dtypes=DTYPES,
         devices=DEVICES,
         min_capability=(8, 0),
         libraries=("triton",),
@@ -79,8 +80,7 @@ class TritonBatchedExperts(Experts):
         out = workspace["out"][:rows]
         if rows == 0:
             return ExpertsOutput(OutputKind.PER_SLOT, out.view(experts, per_expert, hidden))
-        # the total over all experts picks the config: M*k rows spread over E_local experts
-        config = weights.configs.lookup(max(1, rows // max(p.top_k, 1)))
+        config = weights.configs.lookup(max(1, dispatched.topk.num_tokens))
         batched = BatchedRows(dispatched.tokens_per_expert, per_expert)
         valid = RowValidity(counts=dispatched.tokens_per_expert, rows_per_expert=per_expert)
         x, x_scale = flat_rows(dispatched.x.data), flat_rows(dispatched.x.scale)

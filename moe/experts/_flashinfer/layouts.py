@@ -185,3 +185,10 @@ def pack_topk(ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None
 def unpad_view(out: torch.Tensor, cols: int) -> torch.Tensor:
     """``out[:, :cols]`` (a view; finalize copies out of it)."""
     return out if out.shape[-1] == cols else out[..., :cols]
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A one-byte tensor (uint8 / e8m0 / e4m3) as its uint8 bytes."""
+    if t.dtype.itemsize != 1:
+        raise ValueError(f"expected one-byte elements (got {t.dtype})")
+    return t.view(torch.uint8)

@@ -19,3 +19,15 @@ import os
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernels(name: str):
+    """The ``@triton.jit`` module ``_<name>`` ("align", "gemm", "rows"), imported on first use.
+
+    ``triton.jit`` decides when a function is decorated whether it will run compiled or in the
+    interpreter (TRITON_INTERPRET), so the kernel modules load at the first launch, not with `moe`:
+    a CPU test can turn the interpreter on even after something imported `moe.experts`.
+    """
+    import importlib
+
+    return importlib.import_module(f"moe.experts._triton._{name}")

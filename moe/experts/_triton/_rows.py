@@ -34,8 +34,17 @@ def _scale_of(amax):
 
 @triton.jit
 def _to_e4m3(x, scale):
+    """e4m3(clamp(x / scale)), rounding to nearest even in fp32 first.
+
+    The explicit rounding makes the final cast exact: Triton's CPU interpreter truncates the carry
+    of a rounded-up mantissa (124 -> 64 instead of 128); GPUs round correctly either way.
+    """
     q = x / scale
     q = tl.minimum(tl.maximum(q, -E4M3_MAX), E4M3_MAX)
+    binade = (q.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    ulp = tl.maximum(binade * 0.125, 0.001953125)  # 3 mantissa bits; 2**-9 below the normals
+    magic = ulp * 12582912.0  # 1.5 * 2**23 * ulp: adding it rounds to a multiple of ulp
+    q = (q + magic) - magic
     return q.to(tl.float8e4nv)
 
 
@@ -106,9 +115,11 @@ def combine_kernel(y_ptr, weights_ptr, local_ptr, out_ptr, H, stride_ym, stride_
     for j in tl.static_range(TOP_K):
         slot = token * TOP_K + j
         weight = tl.load(weights_ptr + slot)
-        mask = col_ok
-        if CHECK_LOCAL:
-            mask = mask & (tl.load(local_ptr + slot) >= 0)
+        if CHECK_LOCAL:  # slots whose expert is elsewhere hold garbage: never load them
+            local = tl.load(local_ptr + slot + tl.zeros([BLOCK_H], dtype=tl.int64))
+            mask = col_ok & (local >= 0)
+        else:
+            mask = col_ok
         y = tl.load(y_ptr + slot * stride_ym + cols, mask=mask, other=0.0)
         acc += weight * y.to(tl.float32)
     tl.store(out_ptr + token * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from moe.experts._triton import _align
+from moe.experts._triton import kernels
 
 # Up to this many slots (M * k), one program does everything: launches cost more than the work.
 FUSED_MAX_SLOTS = 2048
@@ -73,6 +73,7 @@ def align_block_size(
 
     ``expert_map`` int32 ``[E]`` maps global to local ids (-1: elsewhere); None means identity.
     """
+    _align = kernels("align")
     num_slots = topk_ids.numel()
     blocks = max_blocks(num_slots, num_local, block_m)
     layout = BlockLayout(

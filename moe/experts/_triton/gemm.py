@@ -14,7 +14,7 @@ import torch
 import triton
 
 from moe.activation import Activation, ActivationKind
-from moe.experts._triton import _gemm
+from moe.experts._triton import kernels
 from moe.experts._triton.align import BlockLayout
 from moe.experts._triton.config import TileConfig
 from moe.experts._triton.weights import WeightOperand
@@ -70,6 +70,7 @@ def grouped_gemm(
     tile: TileConfig,
 ) -> torch.Tensor:
     """Launches the kernel (no allocation). ``a [rows, K]``, ``out [rows_out, N_out]`` row-major."""
+    _gemm = kernels("gemm")
     gated = activation is not None and activation.is_gated
     n_out = out.shape[-1]
     k = w.k

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from moe.experts._triton import _rows
+from moe.experts._triton import kernels
 from moe.quant import QuantFormat, QuantizedTensor, dequantize, quantize
 
 FP8_MODES = {QuantFormat.FP8_TENSOR: 1, QuantFormat.FP8_ROW: 2, QuantFormat.FP8_BLOCK: 3}
@@ -70,6 +70,7 @@ def quantize_fp8_rows(
     ``amax`` is an fp32 scratch scalar (``[1]``), used by FP8_TENSOR only. Invalid rows of ``q`` and
     ``scale`` are left as they were.
     """
+    _rows = kernels("rows")
     rows, k = x.shape
     mode = FP8_MODES[fmt]
     valid_ptr, rows_per_expert, valid_mode = validity.kernel_args(x)
@@ -103,6 +104,7 @@ def combine_slots(
     y: torch.Tensor, topk_weights: torch.Tensor, local_ids: torch.Tensor | None, out: torch.Tensor
 ) -> torch.Tensor:
     """``out [M, H] = sum_j topk_weights[m, j] * y[m*k + j]`` over slots with ``local_ids >= 0``."""
+    _rows = kernels("rows")
     num_tokens, top_k = topk_weights.shape
     hidden = out.shape[1]
     block_h = min(1024, triton.next_power_of_2(hidden))

@@ -1,0 +1,274 @@
+"""The Triton experts on CPU, in Triton's interpreter, against the reference experts and torch twins.
+
+float16/float32 only: the interpreter computes bfloat16 wrongly (the GPU tests cover bf16). Shapes
+are tiny so the whole module runs in well under a minute.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates any kernel
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from moe.experts._triton import config as cfg  # noqa: E402
+from moe.experts._triton.align import align_block_size, align_block_size_reference  # noqa: E402
+from moe.experts._triton.align import workspace_buffers as align_buffers  # noqa: E402
+from moe.experts._triton.rows import (  # noqa: E402
+    RowValidity,
+    combine_slots,
+    combine_slots_reference,
+    fp8_scale_shape,
+    quantize_fp8_rows,
+    quantize_fp8_rows_reference,
+)
+from moe.experts._triton.weights import mxfp4_half_split  # noqa: E402
+from moe.experts.reference import ReferenceExperts  # noqa: E402
+from moe.experts.triton import TritonExperts  # noqa: E402
+from moe.experts.triton_batched import TritonBatchedExperts  # noqa: E402
+from moe.formats import ActivationFormat, Dispatched, DispatchShape, OutputKind  # noqa: E402
+from moe.platform import Platform  # noqa: E402
+from moe.prepare_finalize.batched import BatchedPrepareFinalize  # noqa: E402
+from moe.problem import MoEProblem, ParallelConfig  # noqa: E402
+from moe.quant import QuantFormat, QuantizedTensor, quantize  # noqa: E402
+from moe.router import TopK  # noqa: E402
+from moe.testing.tolerance import assert_close_moe, regime_for  # noqa: E402
+from moe.weights import ExpertWeights  # noqa: E402
+from moe.workspace import WorkspaceManager, WorkspaceShapes  # noqa: E402
+
+SCHEMES = ("fp16", "fp8", "fp8_token", "fp8_block", "mxfp4")
+ACTIVATIONS = ("silu", "gelu", "swiglu_oai", "relu2")
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+
+def make_problem(quant="fp16", activation="silu", *, E=4, k=2, H=64, I=96, bias=False,
+                 dtype=torch.float16, expert_map=None, max_tokens=64) -> MoEProblem:
+    parallel = ParallelConfig(expert_map=expert_map) if expert_map is not None else ParallelConfig()
+    return MoEProblem.create(
+        num_experts=E, top_k=k, hidden_size=H, intermediate_size=I, activation=activation,
+        quant=quant, dtype=None if quant in ("fp16", "fp32") else dtype, has_bias=bias,
+        max_tokens=max_tokens, parallel=parallel,
+    )
+
+
+def make_weights(p: MoEProblem) -> ExpertWeights:
+    e, rows, h, i = p.local_num_experts, p.w13_rows, p.hidden_size, p.intermediate_size
+    w13, w2 = torch.randn(e, rows, h) / h**0.5, torch.randn(e, h, i) / i**0.5
+    b13 = torch.randn(e, rows) * 0.1 if p.has_bias else None
+    b2 = torch.randn(e, h) * 0.1 if p.has_bias else None
+    return ExpertWeights.from_dense(w13, w2, b13, b2, quant=p.quant, dtype=p.dtype)
+
+
+def make_topk(num_tokens: int, p: MoEProblem) -> TopK:
+    ids = [torch.randperm(p.num_experts)[: p.top_k] for _ in range(num_tokens)]
+    ids = torch.stack(ids).int() if ids else torch.empty(0, p.top_k, dtype=torch.int32)
+    return TopK(ids, torch.rand(num_tokens, p.top_k))
+
+
+def run_experts(experts, dispatched, weights):
+    prepared = experts.prepare_weights(weights)
+    shapes = experts.workspace_shapes(DispatchShape(dispatched.format, dispatched.num_rows))
+    return experts.apply(dispatched, prepared, WorkspaceManager().take(shapes, experts.name))
+
+
+def reference_reduced(p, x, topk, weights) -> torch.Tensor:
+    """The reference experts' output, weighted and summed over k, from activations quantized first."""
+    fmt = p.quant.activation
+    xq = quantize(x, fmt, "activation") if fmt is not QuantFormat.NONE else QuantizedTensor(
+        data=x, scale=None, fmt=fmt)
+    out = run_experts(ReferenceExperts(p), Dispatched(ActivationFormat.STANDARD, xq, topk), weights).out
+    return (out * topk.weights.unsqueeze(-1)).sum(1)
+
+
+def check_standard(p: MoEProblem, num_tokens: int) -> None:
+    weights = make_weights(p)
+    x = torch.randn(num_tokens, p.hidden_size).to(p.dtype)
+    topk = make_topk(num_tokens, p)
+    dispatched = Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=x, scale=None, fmt="none"), topk)
+    result = run_experts(TritonExperts(p), dispatched, weights)
+    assert result.kind is OutputKind.REDUCED and result.out.shape == (num_tokens, p.hidden_size)
+    ref = reference_reduced(p, x, topk, weights)
+    assert_close_moe(result.out.float(), ref, regime_for(p), context=f"{p.quant_name} {p.activation} M={num_tokens}")
+
+
+# --- the experts against the reference ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quant", SCHEMES)
+@pytest.mark.parametrize("num_tokens", [0, 1, 7, 33])
+def test_standard_schemes(quant, num_tokens):
+    check_standard(make_problem(quant), num_tokens)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("quant", ["fp16", "fp8_block", "mxfp4"])
+def test_standard_activations_with_bias(activation, quant):
+    check_standard(make_problem(quant, activation, bias=True), 7)
+
+
+def test_standard_fp32_odd_sizes():
+    """K and N not multiples of the tiles (H=80, I=48) exercise the masked tails."""
+    check_standard(make_problem("fp32", H=80, I=48, E=3, k=3), 33)
+
+
+@pytest.mark.parametrize("quant", ["fp16", "fp8", "mxfp4"])
+def test_standard_expert_map(quant):
+    """Experts 1, 4, 6 of 8 live here; slots routed elsewhere contribute nothing."""
+    expert_map = (-1, 0, -1, -1, 1, -1, 2, -1)
+    check_standard(make_problem(quant, E=8, k=3, expert_map=expert_map), 33)
+
+
+def test_standard_many_slots_uses_the_multi_launch_alignment():
+    p = make_problem("fp16", E=8, k=4, H=32, I=32, max_tokens=600)
+    check_standard(p, 600)  # 2400 slots > FUSED_MAX_SLOTS
+
+
+@pytest.mark.parametrize("quant", ["fp16", "fp8_token", "fp8_block", "mxfp4"])
+@pytest.mark.parametrize("num_tokens", [1, 33])
+def test_batched(quant, num_tokens):
+    p = make_problem(quant, "swiglu_oai" if quant == "mxfp4" else "silu", bias=quant == "mxfp4")
+    weights = make_weights(p)
+    x = torch.randn(num_tokens, p.hidden_size).to(p.dtype)
+    topk = make_topk(num_tokens, p)
+    prepare = BatchedPrepareFinalize(p)
+    ws = WorkspaceManager().take(prepare.workspace_shapes(num_tokens))
+    dispatched = prepare.prepare(x, topk, p.quant.activation, ws)
+    out = run_experts(TritonBatchedExperts(p), dispatched, weights).out
+    ref = run_experts(ReferenceExperts(p), dispatched, weights).out
+    counts = dispatched.tokens_per_expert.long()
+    valid = torch.arange(out.shape[1]).unsqueeze(0) < counts.unsqueeze(1)  # rows past a count: garbage
+    assert_close_moe(out[valid].float(), ref[valid], regime_for(p), context=f"batched {quant}")
+
+
+def test_workspace_does_not_depend_on_routing():
+    p = make_problem("fp8_block", E=8, k=3, expert_map=(-1, 0, -1, -1, 1, -1, 2, -1))
+    shapes = TritonExperts(p).workspace_shapes(DispatchShape(ActivationFormat.STANDARD, 40))
+    assert isinstance(shapes, WorkspaceShapes) and shapes.nbytes > 0
+    assert {"out", "inter", "y", "sorted_slots", "x_q", "inter_scale"} <= set(shapes.names())
+
+
+# --- kernels against their torch twins -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "num_tokens,k,num_experts,block_m,use_map",
+    [(1, 2, 4, 16, False), (7, 2, 4, 16, True), (33, 4, 8, 32, False), (600, 4, 8, 64, True), (3, 1, 1, 16, False)],
+)
+def test_align_matches_twin(num_tokens, k, num_experts, block_m, use_map):
+    ids = torch.stack([torch.randperm(num_experts)[:k] for _ in range(num_tokens)]).int()
+    expert_map, num_local = None, num_experts
+    if use_map:
+        local = torch.full((num_experts,), -1, dtype=torch.int32)
+        chosen = torch.randperm(num_experts)[: num_experts // 2]
+        local[chosen] = torch.arange(chosen.numel(), dtype=torch.int32)
+        expert_map, num_local = local, chosen.numel()
+    buffers = align_buffers(ids.numel(), num_local, (block_m,))
+    ws = WorkspaceManager().take(WorkspaceShapes.of(**buffers))
+    ws["sorted_slots"].fill_(-7)  # poison: every position below num_padded must be written
+    got = align_block_size(ids, expert_map, num_local, block_m, ws)
+    want = align_block_size_reference(ids, expert_map, num_local, block_m)
+    used = int(want.num_padded)
+    assert int(got.num_padded) == used
+    assert torch.equal(got.block_expert, want.block_expert)
+    assert torch.equal(got.local_ids, want.local_ids)
+    for b in range(used // block_m):  # within a block the order of the rows is free
+        rows = slice(b * block_m, (b + 1) * block_m)
+        assert torch.equal(got.sorted_slots[rows].sort().values, want.sorted_slots[rows].sort().values)
+
+
+@pytest.mark.parametrize("fmt", [QuantFormat.FP8_TENSOR, QuantFormat.FP8_ROW, QuantFormat.FP8_BLOCK])
+@pytest.mark.parametrize("validity", ["all", "local", "batched"])
+def test_fp8_row_quantization_is_bit_exact(fmt, validity):
+    x = torch.randn(12, 200).half() * 3
+    rule = {
+        "all": RowValidity(),
+        "local": RowValidity(local_ids=torch.tensor([0, -1, 2, 1] * 3, dtype=torch.int32)),
+        "batched": RowValidity(counts=torch.tensor([2, 0, 4], dtype=torch.int32), rows_per_expert=4),
+    }[validity]
+    x[~rule.mask(12, "cpu")] = float("nan")  # rows without data must not reach the amax
+    q = torch.empty(12, 200, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(fp8_scale_shape(fmt, 12, 200))
+    quantize_fp8_rows(x, fmt, q, scale, torch.zeros(1), rule)
+    want, mask = quantize_fp8_rows_reference(x, fmt, rule)
+    if fmt is QuantFormat.FP8_TENSOR:
+        got = q.float() * scale
+    elif fmt is QuantFormat.FP8_ROW:
+        got = q.float() * scale
+    else:
+        got = q.float() * scale.repeat_interleave(128, dim=1)[:, :200]
+    assert torch.equal(got[mask], want[mask])
+
+
+@pytest.mark.parametrize("with_map", [False, True])
+def test_combine_matches_twin(with_map):
+    y = torch.randn(5 * 3, 40).half()
+    weights = torch.rand(5, 3)
+    local = torch.tensor([0, -1, 1] * 5, dtype=torch.int32) if with_map else None
+    if with_map:
+        y[1::3] = float("nan")  # slots elsewhere hold garbage
+    out = combine_slots(y, weights, local, torch.empty(5, 40, dtype=torch.float16))
+    assert_close_moe(out.float(), combine_slots_reference(y, weights, local), "fp16")
+
+
+def test_mxfp4_half_split_layout():
+    codes = torch.randint(0, 16, (2, 3, 64), dtype=torch.uint8)
+    canonical = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    split = mxfp4_half_split(canonical)
+    groups = codes.view(2, 3, 2, 32)
+    # byte j of each group of 32 holds elements j (low nibble) and j + 16 (high nibble)
+    assert torch.equal(split.view(2, 3, 2, 16) & 0x0F, groups[..., :16])
+    assert torch.equal(split.view(2, 3, 2, 16) >> 4, groups[..., 16:])
+
+
+# --- declarations and configs ---------------------------------------------------------------------
+
+
+def test_fp8_needs_sm89():
+    p = make_problem("fp8")
+    a100 = Platform(name="a100", device="cuda", capability=(8, 0), libraries=frozenset({"triton"}))
+    h100 = Platform(name="h100", device="cuda", capability=(9, 0), libraries=frozenset({"triton"}))
+    assert any("SM89" in r for r in TritonExperts.check(p, a100))
+    assert TritonExperts.check(p, h100) == []
+    assert TritonExperts.check(make_problem("fp16"), a100) == []
+
+
+def test_rejects_unsupported_schemes_with_reasons():
+    p = make_problem("nvfp4")
+    reasons = TritonExperts.check(p, None)
+    assert any("nvfp4" in r for r in reasons)
+
+
+def test_config_lookup_and_roundtrip(tmp_path):
+    key = cfg.ConfigKey(8, 2, 64, 96, "silu", "fp16", "standard", "NVIDIA H200")
+    assert cfg.ConfigTable.load(key, tmp_path).lookup(5) == cfg.default_config(key, 5)
+    small = cfg.LaunchConfig(16, cfg.TileConfig(32, 128), cfg.TileConfig(64, 128))
+    large = cfg.LaunchConfig(128, cfg.TileConfig(128, 64, 8, 8, 3), cfg.TileConfig(128, 64, 8, 8, 4))
+    path = cfg.ConfigTable(key, ((1, small), (4096, large))).save(tmp_path)
+    assert path.name == "E=8,k=2,H=64,I=96,silu,fp16,standard,NVIDIA_H200.json"
+    table = cfg.ConfigTable.load(key, tmp_path)
+    assert table.lookup(2) == small and table.lookup(3000) == large
+
+
+def test_default_configs_are_valid():
+    for activation in ("silu", "relu2"):
+        for scheme in ("bf16", "fp8_block", "mxfp4"):
+            key = cfg.ConfigKey(128, 8, 2048, 768, activation, scheme, "standard", "x")
+            for m in (1, 16, 256, 4096, 65536):
+                c = cfg.default_config(key, m)
+                assert c.block_m in cfg.BLOCK_MS
+                if scheme == "fp8_block":
+                    assert 128 % c.gemm1.block_k == 0 and 128 % c.gemm2.block_k == 0
+
+
+def test_shipped_config_files_parse():
+    for path in cfg.CONFIG_DIR.glob("*.json"):
+        data = json.loads(path.read_text())
+        key = cfg.ConfigKey(**data["key"])
+        assert key.filename == path.name, path
+        assert cfg.ConfigTable.load(key).tuned
