@@ -1,25 +1,41 @@
 # `make demo` and `make test` each work on a fresh machine by themselves: they create .venv, install
 # what they need, then run. On a CPU-only machine `torch==2.13.0` resolves to the local CPU build
-# (a bare `torch` would pull gigabytes of CUDA wheels).
+# (a bare `torch` would pull gigabytes of CUDA wheels, so nothing here lets pip choose torch).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+PIP    := $(BIN)/pip install -q --disable-pip-version-check
 TORCH  ?= torch==2.13.0
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+HASH   := $(shell cat pyproject.toml Makefile examples/plugin_backend/pyproject.toml 2>/dev/null | cksum | cut -d' ' -f1)
+BASE   := $(VENV)/.base-$(HASH)
+TESTS  := $(VENV)/.test-$(HASH)
 
-.PHONY: demo test test-gpu clean
+# FlashInfer's pure-torch helpers and signatures are tested on CPU. --no-deps keeps its requirements
+# from replacing the CPU torch; these are the ones `import flashinfer` needs.
+FLASHINFER := flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2 requests charset-normalizer \
+              idna urllib3 certifi nvidia-ml-py tqdm
 
-$(STAMP):
+.PHONY: demo test clean
+
+$(BASE):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH)"
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
-	rm -f $(VENV)/.installed-*
+	$(PIP) "$(TORCH)"
+	$(PIP) -e .
+	rm -f $(VENV)/.base-*
 	touch $@
 
-demo: $(STAMP)
+# Triton kernels run on CPU under TRITON_INTERPRET=1; the example plugin tests the entry-point group.
+$(TESTS): $(BASE)
+	$(PIP) -e '.[test]' "triton==3.9.0" matplotlib
+	$(PIP) --no-deps $(FLASHINFER)
+	$(PIP) -e examples/plugin_backend
+	rm -f $(VENV)/.test-*
+	touch $@
+
+demo: $(BASE)
 	$(BIN)/python -m moe demo
 
-test: $(STAMP)
+test: $(TESTS)
 	$(BIN)/python -m pytest -q
 
 clean:

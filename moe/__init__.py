@@ -16,6 +16,7 @@ from moe.experts import Capabilities, Experts, ReferenceExperts, TorchGroupedExp
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
 from moe.kernel import ModularKernel
 from moe.layer import FusedMoE
+from moe.oracle import Plan, plan
 from moe.platform import Platform
 from moe.prepare_finalize import BatchedPrepareFinalize, LocalPrepareFinalize, PrepareFinalize
 from moe.problem import MoEProblem, ParallelConfig
@@ -45,6 +46,7 @@ __all__ = [
     "MoEProblem",
     "ModularKernel",
     "OutputKind",
+    "Plan",
     "ParallelConfig",
     "Platform",
     "PrepareFinalize",
@@ -60,6 +62,7 @@ __all__ = [
     "WorkspaceError",
     "WorkspaceManager",
     "WorkspaceShapes",
+    "plan",
     "register_experts",
     "register_prepare_finalize",
 ]

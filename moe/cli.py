@@ -16,7 +16,17 @@ def _demo_parser(sub) -> None:
     p.add_argument("--experts", default=None, help="force an experts backend by name")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--full-size", action="store_true", help="do not scale the layer down on CPU")
-    p.set_defaults(func=lambda a: run_demo(a.preset, a.tokens, a.quant, a.experts, a.device, a.full_size))
+    p.add_argument("--ep", type=int, default=1, metavar="N",
+                   help="expert parallelism: N CPU processes (gloo), sharded vs unsharded")
+    p.set_defaults(func=_demo)
+
+
+def _demo(a) -> int:
+    if a.ep > 1:
+        from moe.parallel_demo import run_ep_demo
+
+        return run_ep_demo(a.ep, a.preset, a.tokens, a.quant)
+    return run_demo(a.preset, a.tokens, a.quant, a.experts, a.device, a.full_size)
 
 
 def _backends_parser(sub) -> None:

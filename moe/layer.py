@@ -1,46 +1,30 @@
-"""FusedMoE: an ``nn.Module`` holding the weights, the router and the composed kernel.
+"""FusedMoE: an ``nn.Module`` holding the weights, the router and the kernels the oracle chose.
 
-Lifecycle, each a named step: select (``select_experts``) -> build (``ModularKernel``) -> load
-(``load_weights`` / ``load_checkpoint``: quantize to the scheme, then ``prepare_weights`` once) -> run
-(``forward``).
+Lifecycle, each a named step: plan (``moe.oracle.plan``: the best (prepare/finalize, experts) pair per
+token bucket) -> build (one ``ModularKernel`` per distinct pair, sharing one workspace) -> load
+(``load_weights`` / ``load_checkpoint``: quantize to the scheme, then each kernel's ``prepare_weights``
+once) -> run (``forward`` dispatches on M to its bucket's kernel).
+
+A plan that uses two experts backends holds the weights prepared for each (twice the weight memory);
+force one backend (``experts=``, ``MOE_EXPERTS``, a policy) where that matters.
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import Any, Mapping
 
 import torch
 
-from moe.errors import MoEConfigError, UnsupportedError
+from moe.errors import MoEConfigError
 from moe.kernel import ModularKernel
 from moe.loaders import load_experts, requantize
+from moe.oracle import Plan, Policy, plan
 from moe.platform import Platform
-from moe.prepare_finalize import LocalPrepareFinalize
 from moe.problem import MoEProblem, ParallelConfig
-from moe.registry import experts_classes
+from moe.registry import experts_classes, get_experts
 from moe.router import Router
 from moe.weights import ExpertWeights
-
-# Until the oracle ranks candidates by cost, the layer takes the first that can serve, in this order.
-_PREFERENCE = ("triton", "torch_grouped", "reference")
-
-
-def select_experts(problem: MoEProblem, platform: Platform) -> type:
-    """The first Experts class in the preference order whose ``check`` passes; all reasons otherwise."""
-    classes = experts_classes()
-    rejected = {}
-    for name in _PREFERENCE:
-        cls = classes.get(name)
-        if cls is None:
-            continue
-        reasons = cls.check(problem, platform)
-        if not reasons:
-            return cls
-        rejected[name] = reasons
-    raise UnsupportedError(
-        "no experts backend can serve this problem",
-        [f"{name}: {'; '.join(reasons)}" for name, reasons in rejected.items()],
-    )
 
 
 class FusedMoE(torch.nn.Module):
@@ -68,6 +52,8 @@ class FusedMoE(torch.nn.Module):
         max_tokens: int = 8192,
         parallel: ParallelConfig | None = None,
         experts: str | None = None,
+        policy: Policy | None = None,
+        platform: Platform | None = None,
         **routing_options: Any,
     ):
         super().__init__()
@@ -86,21 +72,40 @@ class FusedMoE(torch.nn.Module):
         )
         self.device = torch.device(device)
         self.router = Router(routing, num_experts, top_k, **_on_device(routing_options, self.device))
-        self.platform = Platform.detect(self.device)
-        experts_cls = _named_experts(experts, self.problem, self.platform) if experts else select_experts(
-            self.problem, self.platform
-        )
-        self.kernel = ModularKernel(LocalPrepareFinalize(self.problem), experts_cls(self.problem), device=self.device)
+        self.platform = Platform.detect(self.device) if platform is None else platform
+        self.plan: Plan = plan(self.problem, self.platform, _policy(policy, experts))
+        self.kernels: dict = self.plan.build_kernels(self.device)  # Pair -> ModularKernel
+        # per call: the bucket's upper edges and, for each bucket, its kernel
+        self._edges = [b.high for b in self.plan.buckets]
+        self._bucket_kernels = [self.kernels[b.chosen.pair] for b in self.plan.buckets]
         self.weights: ExpertWeights | None = None
-        self._prepared: Any = None
+        self._prepared: dict = {}  # id(kernel) -> its experts' prepared weights
+
+    @property
+    def kernel(self) -> ModularKernel:
+        """The kernel of the largest token bucket (the only one when the plan uses one pair)."""
+        return self._bucket_kernels[-1]
+
+    def kernel_for(self, num_tokens: int) -> ModularKernel:
+        """The kernel that runs a forward of ``num_tokens`` tokens (M = 0 goes to the first bucket)."""
+        index = bisect.bisect_left(self._edges, num_tokens)
+        if index == len(self._edges):
+            raise MoEConfigError(
+                f"M={num_tokens} tokens exceeds max_tokens={self.problem.max_tokens} this layer was built for"
+            )
+        return self._bucket_kernels[index]
 
     def extra_repr(self) -> str:
         p = self.problem
-        return (
+        text = (
             f"E={p.num_experts}, k={p.top_k}, H={p.hidden_size}, I={p.intermediate_size}, "
             f"activation={p.activation.name}, quant={p.quant_name}, routing={self.router.routing}, "
             f"kernel={self.kernel!r}"
         )
+        if len(self.kernels) > 1:
+            text += ", plan=[" + ", ".join(
+                f"{b.low}-{b.high}: {b.chosen.pair}" for b in self.plan.buckets) + "]"
+        return text
 
     # --- load ------------------------------------------------------------------------------------
     def load_weights(self, *, w13: torch.Tensor, w2: torch.Tensor, b13=None, b2=None) -> None:
@@ -116,12 +121,12 @@ class FusedMoE(torch.nn.Module):
     def _install(self, weights: ExpertWeights) -> None:
         weights = weights.to(self.device)
         weights.validate(self.problem)
-        self._prepared = self.kernel.experts.prepare_weights(weights)
+        self._prepared = {id(k): k.experts.prepare_weights(weights) for k in self.kernels.values()}
         self.weights = weights
 
     # --- run -------------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        if self._prepared is None:
+        if not self._prepared:
             raise MoEConfigError("FusedMoE has no weights; call load_weights or load_checkpoint first")
         if router_logits.dim() != 2 or router_logits.shape[0] != hidden_states.shape[0]:
             raise MoEConfigError(
@@ -129,17 +134,17 @@ class FusedMoE(torch.nn.Module):
                 f"{hidden_states.shape[0]} (got {list(router_logits.shape)})"
             )
         topk = self.router(router_logits)
-        return self.kernel.forward(hidden_states, topk, self._prepared, validate=False)
+        kernel = self.kernel_for(hidden_states.shape[0] if hidden_states.dim() == 2 else 0)
+        return kernel.forward(hidden_states, topk, self._prepared[id(kernel)], validate=False)
 
 
-def _named_experts(name: str, problem: MoEProblem, platform: Platform) -> type:
-    from moe.registry import get_experts
-
-    cls = get_experts(name)
-    reasons = cls.check(problem, platform)
-    if reasons:
-        raise UnsupportedError(f"experts={name!r} cannot serve this problem", reasons)
-    return cls
+def _policy(policy: Policy | None, experts: str | None) -> Policy:
+    """The given policy (or the environment's), forcing ``experts`` when given."""
+    policy = Policy.from_env() if policy is None else policy
+    if experts is None:
+        return policy
+    get_experts(experts)  # an unknown name is a MoEConfigError naming the registered ones
+    return policy.forcing(experts, source=f"experts={experts!r}", replacing=experts_classes())
 
 
 def _on_device(options: dict, device: torch.device) -> dict:

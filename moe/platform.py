@@ -1,24 +1,64 @@
-"""The platform a layer runs on: device, compute capability, rates and libraries.
+"""The platform a layer runs on: device, compute capability, rates, libraries and their features.
 
-A plain frozen dataclass, so any GPU can be simulated (``Platform.preset("b200")``) and the oracle can
-answer for hardware that is not present. Hardware questions are asked through the named predicates
-here, never as ``major >= 9`` at call sites.
+A plain frozen dataclass, so any GPU can be simulated and the oracle can answer for hardware that is
+not present::
+
+    >>> b200 = Platform.preset("b200")
+    >>> b200.capability, b200.has_library("flashinfer")
+    ((10, 0), True)
+    >>> b200.with_libraries(remove=("flashinfer",)).has_feature("flashinfer.cutlass_fused_moe")
+    False
+
+Hardware questions are asked through the named predicates here (``capability_at_least``,
+``has_library``, ``has_feature``, ``peak_flops``), never as ``major >= 9`` at call sites.
+
+Library features are probe results named ``"<library>.<entry point>"`` (``"flashinfer.trtllm_fp4_block_scale_moe"``):
+``detect()`` probes the installed packages; a preset declares what FlashInfer 0.7.2 provides.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass, field, replace
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
+
+from moe.errors import MoEConfigError
+
+TB, TFLOP, GB = 1e12, 1e12, 10**9
+# importable module -> its distribution (for the version)
+LIBRARIES = {"triton": "triton", "flashinfer": "flashinfer-python", "cutlass": "nvidia-cutlass-dsl"}
+# the precision a GEMM runs in -> the ones to fall back to when a platform has no rate for it
+_PRECISION_FALLBACK = {"fp4": ("fp8", "bf16"), "fp8": ("bf16",), "fp16": ("bf16",), "bf16": ("fp16",), "fp32": ("bf16",)}
 
 
 @dataclass(frozen=True)
 class Platform:
-    name: str  # "cpu", "h100", ... or what detect() read
+    """One device and what is installed beside it. Rates are dense (no sparsity), per GPU."""
+
+    name: str  # "h100", ... for presets; the device name for detect() ("NVIDIA H100 80GB HBM3")
     device: str  # "cpu" or "cuda"
     capability: tuple[int, int] | None = None  # CUDA compute capability; None on CPU
-    libraries: frozenset[str] = field(default_factory=frozenset)  # importable: "triton", "flashinfer", ...
+    kind: str = ""  # the preset this platform is or resembles ("h100"); profiles are keyed by it
+    sm_count: int | None = None
+    memory_bytes: int | None = None
+    memory_bandwidth: float = 0.0  # bytes/s, counted as a device copy counts them (read + written)
+    peak: tuple[tuple[str, float], ...] = ()  # (precision, FLOP/s): "fp32", "bf16", "fp16", "fp8", "fp4"
+    interconnect_bandwidth: float = 0.0  # bytes/s per direction to a peer GPU of the node (NVLink/PCIe)
+    rates_source: str = ""  # where bandwidth and peak come from: "measured ...", "datasheet ...", "nominal"
+    libraries: frozenset[str] = field(default_factory=frozenset)  # importable: "triton", "flashinfer", "cutlass"
+    versions: tuple[tuple[str, str], ...] = ()  # (library, version) where known
+    features: frozenset[str] = field(default_factory=frozenset)  # "flashinfer.cutlass_fused_moe", ...
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "cuda"):
+            raise MoEConfigError(f"device must be 'cpu' or 'cuda' (got {self.device!r})")
+        if not self.kind:
+            object.__setattr__(self, "kind", self.name)
+        object.__setattr__(self, "libraries", frozenset(self.libraries))
+        object.__setattr__(self, "features", frozenset(self.features))
 
     # --- named predicates -------------------------------------------------------------------
     @property
@@ -31,32 +71,211 @@ class Platform:
     def has_library(self, name: str) -> bool:
         return name in self.libraries
 
+    def has_feature(self, name: str) -> bool:
+        """``name`` is ``"<library>.<feature>"``; true when the probe (or the preset) found it."""
+        return name in self.features
+
+    def features_of(self, library: str) -> frozenset[str]:
+        """The features of ``library`` by their short names (``"cutlass_fused_moe"``)."""
+        prefix = library + "."
+        return frozenset(f[len(prefix) :] for f in self.features if f.startswith(prefix))
+
+    def version_of(self, library: str) -> str | None:
+        return dict(self.versions).get(library)
+
+    def peak_flops(self, precision: str) -> float:
+        """Dense FLOP/s for GEMMs in ``precision``, or the nearest wider one this platform has."""
+        rates = dict(self.peak)
+        for p in (precision,) + _PRECISION_FALLBACK.get(precision, ()):
+            if rates.get(p):
+                return rates[p]
+        raise MoEConfigError(f"platform {self.name!r} has no peak rate for {precision} (rates: {sorted(rates)})")
+
+    # --- variants -----------------------------------------------------------------------------
     def with_libraries(self, add: tuple[str, ...] = (), remove: tuple[str, ...] = ()) -> "Platform":
-        return replace(self, libraries=(self.libraries | set(add)) - set(remove))
+        """A copy with libraries added (with the features a preset assumes) or removed (with theirs)."""
+        libraries = (self.libraries | set(add)) - set(remove)
+        features = {f for f in self.features if f.split(".", 1)[0] in libraries}
+        versions = {lib: v for lib, v in self.versions if lib in libraries}
+        for lib in set(add) - self.libraries - set(remove):
+            features |= _assumed_features(lib)
+            if lib in _ASSUMED_VERSIONS:
+                versions[lib] = _ASSUMED_VERSIONS[lib]
+        return replace(
+            self, libraries=frozenset(libraries), features=frozenset(features), versions=tuple(sorted(versions.items()))
+        )
 
     # --- construction -------------------------------------------------------------------------
     @classmethod
+    def preset(cls, name: str) -> "Platform":
+        """A simulated platform (``PRESET_NAMES``) with triton, flashinfer 0.7.2 and cutlass-dsl installed."""
+        if name not in _PRESETS:
+            raise MoEConfigError(f"platform: unknown preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
+        spec = _PRESETS[name]
+        base = cls(name=name, **spec)
+        return base if base.device == "cpu" else base.with_libraries(add=_GPU_LIBRARIES)
+
+    @classmethod
     def cpu(cls) -> "Platform":
-        return cls(name="cpu", device="cpu", libraries=_installed_libraries())
+        """This machine's CPU with the libraries installed here and their probed features (cached)."""
+        return _detect_cpu()
 
     @classmethod
     def detect(cls, device: torch.device | str | None = None) -> "Platform":
-        """The real machine: CUDA device 0 if present (or the given device), else CPU."""
+        """The real machine: CUDA device 0 if present (or the given device), else the CPU.
+
+        Rates come from the preset whose name the device's name contains (or of its compute
+        capability's family, said so in ``rates_source``); ``measure_rates`` measures them instead.
+        """
         device = torch.device(device) if device is not None else None
         if device is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if device.type != "cuda":
             return cls.cpu()
-        index = device.index or 0
-        props = torch.cuda.get_device_properties(index)
-        return cls(
-            name=props.name,
-            device="cuda",
-            capability=(props.major, props.minor),
-            libraries=_installed_libraries(),
-        )
+        return _detect_cuda(device.index or 0)
+
+    def measure_rates(self, device: torch.device | str = "cuda") -> "Platform":
+        """A copy with bandwidth and bf16 peak measured on ``device`` (a copy of 1 GiB; an 8192³ matmul)."""
+        bandwidth, flops = _measure_bandwidth(torch.device(device)), _measure_bf16_flops(torch.device(device))
+        scale = flops / self.peak_flops("bf16")  # other precisions keep their datasheet ratio to bf16
+        peak = tuple((p, r * scale) for p, r in self.peak)
+        return replace(self, memory_bandwidth=bandwidth, peak=peak, rates_source="measured on this device")
 
 
 def _installed_libraries() -> frozenset[str]:
-    names = ("triton", "flashinfer", "cutlass")
-    return frozenset(n for n in names if importlib.util.find_spec(n) is not None)
+    return frozenset(n for n in LIBRARIES if importlib.util.find_spec(n) is not None)
+
+
+def _installed_versions() -> tuple[tuple[str, str], ...]:
+    found = []
+    for module, dist in LIBRARIES.items():
+        try:
+            found.append((module, version(dist)))
+        except PackageNotFoundError:
+            continue
+    return tuple(sorted(found))
+
+
+def _probe_features(libraries: frozenset[str]) -> frozenset[str]:
+    """Imports FlashInfer's MoE modules (no JIT, no GPU work) and records which entry points exist."""
+    if "flashinfer" not in libraries or importlib.util.find_spec("moe.experts._flashinfer") is None:
+        return frozenset()
+    from moe.experts._flashinfer.library import flashinfer_moe_features
+
+    return frozenset(f"flashinfer.{f}" for f in flashinfer_moe_features())
+
+
+@functools.lru_cache(maxsize=None)
+def _detect_cpu() -> Platform:
+    libraries = _installed_libraries()
+    return Platform(name="cpu", **_PRESETS["cpu"], libraries=libraries, versions=_installed_versions(),
+                    features=_probe_features(libraries))
+
+
+@functools.lru_cache(maxsize=None)
+def _detect_cuda(index: int) -> Platform:
+    props = torch.cuda.get_device_properties(index)
+    capability = (props.major, props.minor)
+    kind, how = preset_for_device(props.name, capability)
+    rates = _PRESETS[kind]
+    libraries = _installed_libraries()
+    return Platform(
+        name=props.name, device="cuda", capability=capability, kind=kind, sm_count=props.multi_processor_count,
+        memory_bytes=props.total_memory, memory_bandwidth=rates["memory_bandwidth"], peak=rates["peak"],
+        interconnect_bandwidth=rates["interconnect_bandwidth"], rates_source=f"{rates['rates_source']}, {how}",
+        libraries=libraries, versions=_installed_versions(), features=_probe_features(libraries),
+    )
+
+
+def preset_for_device(device_name: str, capability: tuple[int, int]) -> tuple[str, str]:
+    """(preset name, how it was matched) for a real device: by name ("NVIDIA H100 80GB HBM3" -> h100),
+    else by compute capability family."""
+    lowered = device_name.lower().replace(" ", "-")
+    for name in sorted(_PRESETS, key=len, reverse=True):  # "gb200" before "b200"
+        if name != "cpu" and name in lowered:
+            return name, f"rates of the {name} preset (device name)"
+    family = {8: "a100", 9: "h100", 10: "b200", 12: "rtx-pro-6000"}.get(capability[0], "h100")
+    return family, f"rates of the {family} preset (guessed from SM{capability[0]}{capability[1]})"
+
+
+def _median_seconds(fn, device: torch.device, runs: int = 10) -> float:
+    """Median time of ``fn`` over ``runs`` after one warm-up, timed with CUDA events."""
+    fn()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _measure_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes read + written per second by a device-to-device copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), device)
+
+
+def _measure_bf16_flops(device: torch.device, n: int = 8192) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    return 2 * n**3 / _median_seconds(lambda: a @ b, device)
+
+
+# --- presets -------------------------------------------------------------------------------------
+# FlashInfer 0.7.2 (the version the capability facts are for) provides every MoE entry point that
+# moe.experts._flashinfer.library probes; a preset assumes all of them, CuTe-DSL ones included.
+_ASSUMED_VERSIONS = {"flashinfer": "0.7.2.post1", "triton": "3.6.0"}
+_GPU_LIBRARIES = ("triton", "flashinfer", "cutlass")
+
+
+def _assumed_features(library: str) -> frozenset[str]:
+    if library != "flashinfer" or importlib.util.find_spec("moe.experts._flashinfer") is None:
+        return frozenset()
+    from moe.experts._flashinfer.library import FEATURE_SOURCES
+
+    return frozenset(f"flashinfer.{f}" for f in FEATURE_SOURCES)
+
+
+def _peak(fp32: float, bf16: float, fp8: float | None = None, fp4: float | None = None) -> tuple:
+    rates = {"fp32": fp32, "bf16": bf16, "fp16": bf16, "fp8": fp8, "fp4": fp4}
+    return tuple((p, r * TFLOP) for p, r in rates.items() if r)
+
+
+_PRESETS: dict[str, dict] = {
+    # A nominal CPU: only the reference and torch_grouped experts run here, so only their ratio matters.
+    "cpu": dict(device="cpu", memory_bandwidth=0.02 * TB, peak=_peak(0.2, 0.1), rates_source="nominal"),
+    # A100 SXM4 80GB datasheet: 2,039 GB/s HBM2e, 312 TFLOP/s bf16 dense, 19.5 fp32, no fp8; 108 SMs;
+    # NVLink 3 600 GB/s (300 per direction).
+    "a100": dict(device="cuda", capability=(8, 0), sm_count=108, memory_bytes=80 * GB, memory_bandwidth=2.039 * TB,
+                 peak=_peak(19.5, 312), interconnect_bandwidth=0.3 * TB, rates_source="datasheet"),
+    # H100 SXM5: measured on the lent machines (shared/GPU.md): device copy about 3.0 TB/s (datasheet
+    # 3.35), bf16 matmul about 768 TFLOP/s (datasheet 989); fp8 kept at the datasheet's 2x bf16.
+    # Datasheet: 67 TFLOP/s fp32, 132 SMs, 80 GB, NVLink 4 900 GB/s (450 per direction).
+    "h100": dict(device="cuda", capability=(9, 0), sm_count=132, memory_bytes=80 * GB, memory_bandwidth=3.0 * TB,
+                 peak=_peak(67, 768, 1536), interconnect_bandwidth=0.45 * TB,
+                 rates_source="measured (bandwidth, bf16; fp8 = 2x bf16)"),
+    # H200 SXM: measured on the lent machines: 4.2 TB/s device copy (datasheet 4.8), 768 TFLOP/s bf16.
+    # Datasheet: 141 GB HBM3e, 132 SMs, NVLink 4 900 GB/s.
+    "h200": dict(device="cuda", capability=(9, 0), sm_count=132, memory_bytes=141 * GB, memory_bandwidth=4.2 * TB,
+                 peak=_peak(67, 768, 1536), interconnect_bandwidth=0.45 * TB,
+                 rates_source="measured (bandwidth, bf16; fp8 = 2x bf16)"),
+    # HGX B200 datasheet (1,000 W): 8 TB/s HBM3e, dense 2.25 PFLOP/s bf16, 4.5 fp8, 9 fp4, 80 TFLOP/s fp32;
+    # 180 GB per GPU (1.44 TB for 8); 148 SMs; NVLink 5 1.8 TB/s (900 GB/s per direction).
+    "b200": dict(device="cuda", capability=(10, 0), sm_count=148, memory_bytes=180 * GB, memory_bandwidth=8.0 * TB,
+                 peak=_peak(80, 2250, 4500, 9000), interconnect_bandwidth=0.9 * TB, rates_source="datasheet"),
+    # GB200 NVL72 datasheet, per GPU (1,200 W): 8 TB/s, dense 2.5 PFLOP/s bf16, 5 fp8, 10 fp4, 90 fp32;
+    # 186 GB (13.4 TB for 72); the same 148-SM Blackwell GPU; NVLink 5 1.8 TB/s.
+    "gb200": dict(device="cuda", capability=(10, 0), sm_count=148, memory_bytes=186 * GB, memory_bandwidth=8.0 * TB,
+                  peak=_peak(90, 2500, 5000, 10000), interconnect_bandwidth=0.9 * TB, rates_source="datasheet"),
+    # RTX PRO 6000 Blackwell Server Edition (SM120) datasheet: 96 GB GDDR7 at 1,792 GB/s, 188 SMs,
+    # 125 TFLOP/s fp32, 4,000 fp4 TOPS with sparsity (2,000 dense; fp8 and bf16 halve it each);
+    # no NVLink: PCIe Gen5 x16, 64 GB/s per direction.
+    "rtx-pro-6000": dict(device="cuda", capability=(12, 0), sm_count=188, memory_bytes=96 * GB,
+                         memory_bandwidth=1.792 * TB, peak=_peak(125, 500, 1000, 2000),
+                         interconnect_bandwidth=0.064 * TB, rates_source="datasheet"),
+}
+PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)

@@ -37,3 +37,9 @@ def test_unknown_preset_is_a_clear_error():
 
     with pytest.raises(MoEConfigError, match="no-such-model"):
         main(["demo", "--preset", "no-such-model"])
+
+
+def test_demo_expert_parallel_two_processes(capsys):
+    assert main(["demo", "--ep", "2", "--tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "2 CPU processes (gloo)" in out and "must be exact -> OK" in out

@@ -112,6 +112,15 @@ def test_standard_activations_with_bias(activation, quant):
     check_standard(make_problem(quant, activation, bias=True), 7)
 
 
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("quant", ["fp16", "fp8", "mxfp4"])
+def test_standard_direct_and_sorted_rows(quant, direct, monkeypatch):
+    """Both row sources at the same M: sorted blocks and one program per slot (decode)."""
+    small = cfg.LaunchConfig(16, cfg.TileConfig(32, 64), cfg.TileConfig(32, 64), direct=direct)
+    monkeypatch.setattr(cfg.ConfigTable, "lookup", lambda self, m: small)
+    check_standard(make_problem(quant, E=8, k=3, expert_map=(-1, 0, -1, -1, 1, -1, 2, -1)), 5)
+
+
 def test_standard_fp32_odd_sizes():
     """K and N not multiples of the tiles (H=80, I=48) exercise the masked tails."""
     check_standard(make_problem("fp32", H=80, I=48, E=3, k=3), 33)
@@ -177,9 +186,10 @@ def test_align_matches_twin(num_tokens, k, num_experts, block_m, use_map):
     assert int(got.num_padded) == used
     assert torch.equal(got.block_expert, want.block_expert)
     assert torch.equal(got.local_ids, want.local_ids)
-    for b in range(used // block_m):  # within a block the order of the rows is free
-        rows = slice(b * block_m, (b + 1) * block_m)
-        assert torch.equal(got.sorted_slots[rows].sort().values, want.sorted_slots[rows].sort().values)
+    owner = want.block_expert.repeat_interleave(block_m)[:used]
+    for e in range(num_local):  # the order within an expert's segment is free
+        assert torch.equal(got.sorted_slots[:used][owner == e].sort().values,
+                           want.sorted_slots[:used][owner == e].sort().values)
 
 
 @pytest.mark.parametrize("fmt", [QuantFormat.FP8_TENSOR, QuantFormat.FP8_ROW, QuantFormat.FP8_BLOCK])
@@ -188,7 +198,8 @@ def test_fp8_row_quantization_is_bit_exact(fmt, validity):
     x = torch.randn(12, 200).half() * 3
     rule = {
         "all": RowValidity(),
-        "local": RowValidity(local_ids=torch.tensor([0, -1, 2, 1] * 3, dtype=torch.int32)),
+        "local": RowValidity(topk_ids=torch.tensor([0, 3, 2, 1] * 3, dtype=torch.int32),
+                             expert_map=torch.tensor([0, 1, 2, -1], dtype=torch.int32)),
         "batched": RowValidity(counts=torch.tensor([2, 0, 4], dtype=torch.int32), rows_per_expert=4),
     }[validity]
     x[~rule.mask(12, "cpu")] = float("nan")  # rows without data must not reach the amax
@@ -209,11 +220,12 @@ def test_fp8_row_quantization_is_bit_exact(fmt, validity):
 def test_combine_matches_twin(with_map):
     y = torch.randn(5 * 3, 40).half()
     weights = torch.rand(5, 3)
-    local = torch.tensor([0, -1, 1] * 5, dtype=torch.int32) if with_map else None
+    ids = torch.tensor([[0, 2, 1]] * 5, dtype=torch.int32)
+    expert_map = torch.tensor([0, 1, -1], dtype=torch.int32) if with_map else None
     if with_map:
         y[1::3] = float("nan")  # slots elsewhere hold garbage
-    out = combine_slots(y, weights, local, torch.empty(5, 40, dtype=torch.float16))
-    assert_close_moe(out.float(), combine_slots_reference(y, weights, local), "fp16")
+    out = combine_slots(y, weights, ids, expert_map, torch.empty(5, 40, dtype=torch.float16))
+    assert_close_moe(out.float(), combine_slots_reference(y, weights, ids, expert_map), "fp16")
 
 
 def test_mxfp4_half_split_layout():

@@ -4,8 +4,25 @@ Backends whose libraries are missing still register (their ``check`` says what i
 modules import those libraries lazily, inside methods.
 """
 
+# Registration order is the order of the support table: reference first, then by family.
 from moe.experts.base import Capabilities, Experts
-from moe.experts.reference import ReferenceExperts
-from moe.experts.torch_grouped import TorchGroupedExperts
+from moe.experts.reference import ReferenceExperts  # isort: skip
+from moe.experts.torch_grouped import TorchGroupedExperts  # isort: skip
+from moe.experts.triton import TritonExperts  # isort: skip
+from moe.experts.triton_batched import TritonBatchedExperts  # isort: skip
+from moe.experts.flashinfer_cutlass import FlashInferCutlassExperts  # isort: skip
+from moe.experts.flashinfer_trtllm import FlashInferTrtllmExperts  # isort: skip
+from moe.experts.flashinfer_cutedsl import FlashInferCuteDslBatchedExperts, FlashInferCuteDslExperts  # isort: skip
 
-__all__ = ["Capabilities", "Experts", "ReferenceExperts", "TorchGroupedExperts"]
+__all__ = [
+    "Capabilities",
+    "Experts",
+    "FlashInferCuteDslBatchedExperts",
+    "FlashInferCuteDslExperts",
+    "FlashInferCutlassExperts",
+    "FlashInferTrtllmExperts",
+    "ReferenceExperts",
+    "TorchGroupedExperts",
+    "TritonBatchedExperts",
+    "TritonExperts",
+]

@@ -30,7 +30,7 @@ import torch
 
 from moe.experts._flashinfer import layouts
 from moe.experts._flashinfer.cutlass_weights import CutlassWeights, Geometry, prepare_cutlass
-from moe.experts._flashinfer.library import activation_type, autotuning, flashinfer_module
+from moe.experts._flashinfer.library import activation_type, autotuning, flashinfer_module, flashinfer_moe_features
 from moe.experts._flashinfer.modes import (
     ALL_ACTIVATIONS,
     SM89_TO_SM121,
@@ -149,8 +149,17 @@ class FlashInferCutlassExperts(Experts):
         """cutlass_fused_moe's own scratch for up to ``rows`` tokens, asked per power-of-two bucket."""
         bucket = min(1 << max(rows - 1, 0).bit_length(), max(self.tune_max_tokens, rows))
         if bucket not in self._scratch_bytes:
-            self._scratch_bytes[bucket] = self._ask_library(bucket) if torch.cuda.is_available() else self._estimate(bucket)
+            ask = self._ask_library if self._library_can_answer() else self._estimate
+            self._scratch_bytes[bucket] = ask(bucket)
         return self._scratch_bytes[bucket]
+
+    def _library_can_answer(self) -> bool:
+        """FlashInfer sizes its scratch with the module of the current GPU: ask it only where this pair
+        runs on that GPU (elsewhere, e.g. when the oracle sizes a simulated platform, estimate)."""
+        if not torch.cuda.is_available() or "cutlass_fused_moe_workspace_size" not in flashinfer_moe_features():
+            return False
+        major, minor = torch.cuda.get_device_capability()
+        return major * 10 + minor in self.mode.archs
 
     def _ask_library(self, rows: int) -> int:
         p, g = self.problem, self.geometry
@@ -208,7 +217,7 @@ class FlashInferCutlassExperts(Experts):
             return xq, None, scales
         if self.pair == (F.NVFP4, F.NVFP4):
             amax = x.abs().amax().float().clamp(min=1e-12)
-            a1_global = torch.div(_NVFP4_GLOBAL_RANGE, amax, out=ws["act_scale"])  # FlashInfer's quant multiplier
+            a1_global = torch.div(_NVFP4_GLOBAL_RANGE, amax, out=ws["act_scale"][0])  # FlashInfer's quant multiplier
             a2 = self.intermediate_scale
             fc1 = torch.div(w.per_expert["w13_global"], a1_global, out=ws["fc1_dequant"])
             fc2 = torch.mul(w.per_expert["w2_global"], a2, out=ws["fc2_dequant"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 from moe.experts._triton.align import align_block_size
 from moe.experts._triton.align import workspace_buffers as align_buffers
 from moe.experts._triton.config import BLOCK_MS, ConfigTable
-from moe.experts._triton.gemm import SortedRows, grouped_gemm
+from moe.experts._triton.gemm import DirectRows, SortedRows, grouped_gemm
 from moe.experts._triton.rows import RowValidity, combine_slots
 from moe.experts._triton.support import (
     ACTIVATIONS,
@@ -94,23 +94,25 @@ class TritonExperts(Experts):
         if tokens == 0:
             return ExpertsOutput(OutputKind.REDUCED, out)
         config = weights.configs.lookup(tokens)
-        # 1. routing -> blocks of rows sorted by expert
-        layout = align_block_size(
-            dispatched.topk.ids, weights.expert_map, p.local_num_experts, config.block_m, workspace
-        )
-        here = RowValidity(local_ids=layout.local_ids if weights.expert_map is not None else None)
+        ids = dispatched.topk.ids
+        # 1. routing -> blocks of rows sorted by expert (or, for decode, one program per slot)
+        if config.direct:
+            rows1 = DirectRows(ids.reshape(-1), weights.expert_map, k)
+            rows2 = DirectRows(ids.reshape(-1), weights.expert_map, 1)
+        else:
+            layout = align_block_size(ids, weights.expert_map, p.local_num_experts, config.block_m, workspace)
+            rows1, rows2 = SortedRows(layout, slots, k), SortedRows(layout, slots, 1)
         # 2. first GEMM with the activation fused in
         x, x_scale = dispatched.x.data, dispatched.x.scale
         if dispatched.x.fmt is QuantFormat.NONE:
             x, x_scale = quantize_activation(x, p.quant.activation, "x", workspace, RowValidity())
         inter = workspace["inter"][:slots]
-        grouped_gemm(x, x_scale, weights.w13, inter, SortedRows(layout, slots, k), p.activation,
-                     config.block_m, config.gemm1)
+        grouped_gemm(x, x_scale, weights.w13, inter, rows1, p.activation, config.block_m, config.gemm1)
         # 3. second GEMM on the (quantized) intermediate, one row per slot
+        here = RowValidity.slots_here(ids, weights.expert_map)
         a2, a2_scale = quantize_activation(inter, p.quant.activation, "inter", workspace, here)
         y = workspace["y"][:slots]
-        grouped_gemm(a2, a2_scale, weights.w2, y, SortedRows(layout, slots, 1), None,
-                     config.block_m, config.gemm2)
+        grouped_gemm(a2, a2_scale, weights.w2, y, rows2, None, config.block_m, config.gemm2)
         # 4. router weights and the sum over k
-        combine_slots(y, dispatched.topk.weights, here.local_ids, out)
+        combine_slots(y, dispatched.topk.weights, ids, weights.expert_map, out)
         return ExpertsOutput(OutputKind.REDUCED, out)

@@ -58,8 +58,11 @@ class TritonBatchedExperts(Experts):
 
     def prepare_weights(self, weights: ExpertWeights) -> TritonWeights:
         weights.validate(self.problem)
-        # the batched buffers are already local: no expert map needed inside the kernels
+        # the batched buffers are already local: no expert map needed inside the kernels. Without a
+        # batched table, the standard format's tiles (same shapes per expert) are the best guess.
         table = ConfigTable.load(config_key(self.problem, "batched", weights.device))
+        if not table.tuned:
+            table = ConfigTable.load(config_key(self.problem, "standard", weights.device))
         return prepare_triton_weights(weights, None, table)
 
     def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
@@ -87,6 +90,7 @@ class TritonBatchedExperts(Experts):
         if dispatched.x.fmt is QuantFormat.NONE:
             x, x_scale = quantize_activation(x, p.quant.activation, "x", workspace, valid)
         inter = workspace["inter"][:rows]
+        # (config.direct, one program per slot, has no meaning here: rows are per expert already)
         grouped_gemm(x, x_scale, weights.w13, inter, batched, p.activation, config.block_m, config.gemm1)
         a2, a2_scale = quantize_activation(inter, p.quant.activation, "inter", workspace, valid)
         grouped_gemm(a2, a2_scale, weights.w2, out, batched, None, config.block_m, config.gemm2)

@@ -23,21 +23,21 @@ from moe.workspace import Workspace, WorkspaceShapes
 
 
 def batch_slots(local_ids: torch.Tensor, num_local: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Places each (token, slot) in its expert's buffer, in token order.
+    """Places each (token, slot) in its expert's buffer, in token order; no host sync.
 
-    ``local_ids [M, k]`` (-1: not here) -> (``slot_rows [M, k]`` int64 row in the flattened
-    ``[num_local * capacity]`` buffer or -1, ``tokens_per_expert [num_local]`` int32).
+    ``local_ids [M, k]`` (local expert ids, -1: not here) -> (``slot_rows [M, k]`` int64 row in the
+    flattened ``[num_local * capacity]`` buffer or -1, ``tokens_per_expert [num_local]`` int32).
+    A count above ``capacity`` leaves rows past the buffer; callers check the counts first.
     """
-    flat = local_ids.flatten().long()
-    here = flat >= 0
-    order = torch.where(here, flat, num_local).argsort(stable=True)
-    counts = torch.bincount(flat[here], minlength=num_local)
-    starts = torch.cumsum(counts, 0) - counts
-    sorted_ids = flat[order]
-    position = torch.arange(flat.numel(), device=flat.device) - starts[sorted_ids.clamp(max=num_local - 1)]
-    rows = torch.full_like(flat, -1)
-    rows[order] = torch.where(sorted_ids < num_local, sorted_ids * capacity + position, -1)
-    return rows.view_as(local_ids), counts.to(torch.int32)
+    key = torch.where(local_ids >= 0, local_ids, num_local).flatten().long()  # not here: a last bucket
+    order = key.argsort(stable=True)
+    counts = torch.zeros(num_local + 1, dtype=key.dtype, device=key.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))  # bincount would read its size on the host
+    sorted_key = key[order]
+    position = torch.arange(key.numel(), device=key.device) - (counts.cumsum(0) - counts)[sorted_key]
+    rows = torch.full_like(key, -1)
+    rows[order] = torch.where(sorted_key < num_local, sorted_key * capacity + position, -1)
+    return rows.view_as(local_ids), counts[:num_local].to(torch.int32)
 
 
 @register_prepare_finalize

@@ -71,7 +71,7 @@ def padded(t: torch.Tensor, rows: int, cols: int, fill: int | float = 0) -> torc
     return layouts.pad_dim(layouts.pad_dim(t, 1, rows, fill), 2, cols, fill)
 
 
-def biases(weights: ExpertWeights, geo: Geometry, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def biases(weights: ExpertWeights, geo: Geometry, dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
     if weights.b13 is None:
         return None, None
     b13 = first_gemm_rows(weights.b13, geo).to(dtype).contiguous()

@@ -83,18 +83,11 @@ def flashinfer_moe_features() -> frozenset[str]:
 
 
 def platform_features(platform: Platform) -> frozenset[str]:
-    """The FlashInfer MoE features ``platform`` has.
-
-    A Platform that carries its own probe results (``library_features``, see the report to the lead)
-    answers for itself, so a simulated B200 can declare them; otherwise the installed package is
-    probed, which is what ``Platform.libraries`` reports too.
-    """
+    """The FlashInfer MoE features ``platform`` has: probed by ``Platform.detect`` (with
+    ``flashinfer_moe_features``), declared by a preset."""
     if not platform.has_library("flashinfer"):
         return frozenset()
-    declared = getattr(platform, "library_features", None)
-    if declared is not None:
-        return frozenset(declared)
-    return flashinfer_moe_features()
+    return platform.features_of("flashinfer")
 
 
 def missing_feature_reasons(platform: Platform, features: tuple[str, ...]) -> list[str]:

@@ -78,7 +78,8 @@ class ModeSpec:
             allowed = ", ".join(sorted(str(d) for d in self.dtypes))
             reasons.append(f"{self.kernel} runs {allowed} activations for this quantization, not {problem.dtype}")
         if not self.pads:
-            for dim, multiple in (("hidden_size", self.h_align), ("intermediate_size", self.intermediate_align(problem))):
+            alignments = (("hidden_size", self.h_align), ("intermediate_size", self.intermediate_align(problem)))
+            for dim, multiple in alignments:
                 value = getattr(problem, dim)
                 if value % multiple:
                     reasons.append(

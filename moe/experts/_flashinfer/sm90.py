@@ -74,6 +74,7 @@ def interleave_mxfp4_scales(scales: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"scales must be one-byte [E, N, K/32] (got {scales.dtype} {tuple(scales.shape)})")
     experts, rows, groups = scales.shape
     if rows % 64 or groups % 4:
-        raise ValueError(f"the SM90 scale interleave needs N % 64 == 0 and K % 128 == 0 (got N={rows}, K={32 * groups})")
+        raise ValueError(f"the SM90 scale interleave needs N % 64 == 0 and K % 128 == 0 "
+                         f"(got N={rows}, K={32 * groups})")
     tiles = scales.reshape(experts, rows // 64, 4, 16, groups // 4, 4)  # row = 16 * slice + r16
     return tiles.permute(0, 1, 4, 3, 2, 5).reshape(experts, rows // 64, groups // 4, 16, 16).contiguous()

@@ -17,6 +17,8 @@ L2, and an L1 line read before them would be stale.
 import triton
 import triton.language as tl
 
+from moe.experts._triton._lang import cumsum_, sum_
+
 
 @triton.jit
 def _rank_chunk(ids_ptr, map_ptr, counts_ptr, local_ptr, ranks_ptr, start, num_slots,
@@ -43,8 +45,8 @@ def _block_layout(counts_ptr, offsets_ptr, sorted_ptr, block_expert_ptr, num_pad
     is_expert = experts < num_local
     counts = tl.load(counts_ptr + experts, mask=is_expert, other=0, cache_modifier=".cg")
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    total = tl.sum(padded, 0)
+    ends = cumsum_(padded, 0)
+    total = sum_(padded, 0)
     tl.store(offsets_ptr + experts, ends - padded, mask=is_expert)
     tl.store(num_padded_ptr, total)
     # block b belongs to the expert whose padded range holds position b*BLOCK_M: the number of
@@ -53,7 +55,7 @@ def _block_layout(counts_ptr, offsets_ptr, sorted_ptr, block_expert_ptr, num_pad
         blocks = b0 + tl.arange(0, BLOCKS_CHUNK)
         pos = blocks * BLOCK_M
         before = (ends[None, :] <= pos[:, None]) & is_expert[None, :]
-        owner = tl.sum(before.to(tl.int32), 1)
+        owner = sum_(before.to(tl.int32), 1)
         owner = tl.where(pos < total, owner, -1)
         tl.store(block_expert_ptr + blocks, owner, mask=blocks < max_blocks)
     tl.debug_barrier()
@@ -66,7 +68,7 @@ def _block_layout(counts_ptr, offsets_ptr, sorted_ptr, block_expert_ptr, num_pad
         first = tl.load(offsets_ptr + e, mask=ok, other=0, cache_modifier=".cg")
         end = first + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         pos = (first + count)[:, None] + cols[None, :]
-        tl.store(sorted_ptr + pos, num_slots + tl.zeros_like(pos), mask=ok[:, None] & (pos < end[:, None]))
+        tl.store(sorted_ptr + pos, num_slots + tl.full(pos.shape, 0, pos.dtype), mask=ok[:, None] & (pos < end[:, None]))
 
 
 @triton.jit
@@ -80,14 +82,14 @@ def _scatter_chunk(local_ptr, ranks_ptr, offsets_ptr, sorted_ptr, start, num_slo
     tl.store(sorted_ptr + first + rank, offs, mask=here)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "num_local", "max_blocks"])
 def align_fused_kernel(ids_ptr, map_ptr, counts_ptr, local_ptr, ranks_ptr, offsets_ptr, sorted_ptr,
                        block_expert_ptr, num_padded_ptr, num_slots, num_local, max_blocks,
                        HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
                        CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr, FILL_E: tl.constexpr):
     """All three steps in one program: for few slots, where launches cost more than the work."""
     experts = tl.arange(0, E_PAD)
-    tl.store(counts_ptr + experts, tl.zeros_like(experts), mask=experts < num_local)
+    tl.store(counts_ptr + experts, tl.full(experts.shape, 0, experts.dtype), mask=experts < num_local)
     tl.debug_barrier()
     for start in range(0, num_slots, CHUNK):
         _rank_chunk(ids_ptr, map_ptr, counts_ptr, local_ptr, ranks_ptr, start, num_slots, HAS_MAP, CHUNK)
@@ -99,7 +101,7 @@ def align_fused_kernel(ids_ptr, map_ptr, counts_ptr, local_ptr, ranks_ptr, offse
         _scatter_chunk(local_ptr, ranks_ptr, offsets_ptr, sorted_ptr, start, num_slots, CHUNK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def rank_kernel(ids_ptr, map_ptr, counts_ptr, local_ptr, ranks_ptr, num_slots,
                 HAS_MAP: tl.constexpr, CHUNK: tl.constexpr):
     """Step 1 over a grid of chunks; ``counts`` must be zero before the launch."""
@@ -107,7 +109,7 @@ def rank_kernel(ids_ptr, map_ptr, counts_ptr, local_ptr, ranks_ptr, num_slots,
                 num_slots, HAS_MAP, CHUNK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_local", "num_slots", "max_blocks"])
 def layout_kernel(counts_ptr, offsets_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
                   num_local, num_slots, max_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
                   BLOCKS_CHUNK: tl.constexpr, FILL_E: tl.constexpr):
@@ -116,7 +118,7 @@ def layout_kernel(counts_ptr, offsets_ptr, sorted_ptr, block_expert_ptr, num_pad
                   num_slots, max_blocks, BLOCK_M, E_PAD, BLOCKS_CHUNK, FILL_E)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def scatter_kernel(local_ptr, ranks_ptr, offsets_ptr, sorted_ptr, num_slots, CHUNK: tl.constexpr):
     """Step 3 over a grid of chunks."""
     _scatter_chunk(local_ptr, ranks_ptr, offsets_ptr, sorted_ptr, tl.program_id(0) * CHUNK,

@@ -2,8 +2,10 @@
 
 One kernel serves both GEMMs and both activation formats; constexpr switches pick the variant:
 
-- rows: ``SORTED`` walks `BlockLayout` blocks (standard format; A row = slot // A_ROW_DIV, output
-  row = slot); otherwise rows are ``expert * T + m`` for ``m < tokens_per_expert[expert]`` (batched).
+- ``ROWS``: 0 walks `BlockLayout` blocks (standard format; A row = slot // A_ROW_DIV, output row =
+  slot); 1: batched, rows ``expert * T + m`` for ``m < tokens_per_expert[expert]``; 2: direct, one
+  slot per program, its expert read from the top-k ids (and the expert map when ``HAS_MAP``) --
+  decode, where sorting costs more than the weights a repeated expert would re-read.
 - ``GATED``: the program computes BLOCK_N columns of both halves of w13 (gate rows n, up rows I + n)
   and writes ``act(gate) * up``: the ``[rows, 2I]`` pre-activation never reaches memory.
 - ``QUANT``: how A and W are stored (the numbering is `gemm.QUANT_CODES`):
@@ -14,31 +16,38 @@ One kernel serves both GEMMs and both activation formats; constexpr switches pic
 import triton
 import triton.language as tl
 
+from moe.experts._triton._lang import cdiv_, sigmoid_
+
 # activation codes (gemm.ACTIVATION_CODES)
-_NONE: tl.constexpr = 0
-_SILU: tl.constexpr = 1
-_GELU: tl.constexpr = 2
-_SWIGLU_OAI: tl.constexpr = 3
-_RELU2: tl.constexpr = 4
+_NONE = tl.constexpr(0)
+_SILU = tl.constexpr(1)
+_GELU = tl.constexpr(2)
+_SWIGLU_OAI = tl.constexpr(3)
+_RELU2 = tl.constexpr(4)
+
+# row sources (gemm.ROW_CODES)
+_SORTED = tl.constexpr(0)
+_BATCHED = tl.constexpr(1)
+_DIRECT = tl.constexpr(2)
 
 # quantization codes (gemm.QUANT_CODES)
-_DENSE: tl.constexpr = 0
-_FP8_TENSOR: tl.constexpr = 1
-_FP8_ROW: tl.constexpr = 2
-_FP8_BLOCK: tl.constexpr = 3
-_MXFP4: tl.constexpr = 4
+_DENSE = tl.constexpr(0)
+_FP8_TENSOR = tl.constexpr(1)
+_FP8_ROW = tl.constexpr(2)
+_FP8_BLOCK = tl.constexpr(3)
+_MXFP4 = tl.constexpr(4)
 
 
 @triton.jit
 def _activate(gate, up, ACTIVATION: tl.constexpr, alpha, beta, limit):
     if ACTIVATION == _SILU:
-        out = gate * tl.sigmoid(gate) * up
+        out = gate * sigmoid_(gate) * up
     elif ACTIVATION == _GELU:
         out = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476)) * up
     elif ACTIVATION == _SWIGLU_OAI:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
-        out = gate * tl.sigmoid(alpha * gate) * (up + beta)
+        out = gate * sigmoid_(alpha * gate) * (up + beta)
     elif ACTIVATION == _RELU2:
         out = tl.maximum(gate, 0.0)
         out = out * out
@@ -67,7 +76,7 @@ def _e2m1_tile(nibbles, scale_bytes, dtype: tl.constexpr):
 def _tile_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Program id -> (m block, n block), GROUP_M m blocks at a time so their A tiles stay in L2."""
     pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
+    num_n = cdiv_(N, BLOCK_N)
     per_group = GROUP_M * num_n
     first_m = (pid // per_group) * GROUP_M
     group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
@@ -77,6 +86,14 @@ def _tile_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:  # float32 problems: exact products instead of tf32
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+# the token-dependent counts are not specialized on, so one compiled kernel serves every M
+@triton.jit(do_not_specialize=["num_m_blocks", "num_slots", "rows_per_expert"])
 def moe_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
     sorted_ptr, block_expert_ptr, num_padded_ptr, counts_ptr,
@@ -85,14 +102,14 @@ def moe_gemm_kernel(
     stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
     stride_be, stride_bn, stride_om, stride_on,
     alpha, beta, limit,
-    SORTED: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
+    ROWS: tl.constexpr, HAS_MAP: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
     ACTIVATION: tl.constexpr, QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if SORTED:
+    if ROWS == _SORTED:
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return
         expert = tl.load(block_expert_ptr + pid_m)
@@ -101,6 +118,15 @@ def moe_gemm_kernel(
         slots = tl.where(row_ok, slots, 0)  # padding rows read row 0 and are never stored
         a_rows = slots // A_ROW_DIV
         out_rows = slots
+    elif ROWS == _DIRECT:  # sorted_ptr: top-k ids, block_expert_ptr: the expert map
+        expert = tl.load(sorted_ptr + pid_m)
+        if HAS_MAP:
+            expert = tl.load(block_expert_ptr + expert)
+        if expert < 0:
+            return
+        row_ok = tl.arange(0, BLOCK_M) == 0  # every row computes this slot; one is stored
+        out_rows = pid_m + tl.full([BLOCK_M], 0, tl.int32)
+        a_rows = out_rows // A_ROW_DIV
     else:
         expert = tl.program_id(1)
         count = tl.load(counts_ptr + expert)
@@ -118,8 +144,8 @@ def moe_gemm_kernel(
     w_base = w_ptr + expert * stride_we
     ws_base = w_scale_ptr + expert * stride_wse
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_N], 0, tl.float32)
+    acc_up = tl.full([BLOCK_M, BLOCK_N], 0, tl.float32)
     if QUANT == _MXFP4:
         # weights repacked (weights.py): byte j of each 32-element group holds elements j and j+16
         offs_b = tl.arange(0, BLOCK_K // 2)
@@ -127,19 +153,19 @@ def moe_gemm_kernel(
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + k_low[None, :] * stride_ak
         w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_b[:, None] * stride_wk
         s_ptrs = ws_base + offs_n[None, :] * stride_wsn + (offs_b // 16)[:, None] * stride_wsk
-        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        for kk in range(0, cdiv_(K, BLOCK_K)):
             k_left = K - kk * BLOCK_K
             a_lo = tl.load(a_ptrs, mask=k_low[None, :] < k_left, other=0.0)
             a_hi = tl.load(a_ptrs + 16 * stride_ak, mask=k_low[None, :] < k_left, other=0.0)
             packed = tl.load(w_ptrs, mask=k_low[:, None] < k_left, other=0)
             scale = tl.load(s_ptrs, mask=k_low[:, None] < k_left, other=0)
-            acc = tl.dot(a_lo, _e2m1_tile(packed & 15, scale, a_lo.dtype), acc, input_precision=DOT_PRECISION)
-            acc = tl.dot(a_hi, _e2m1_tile(packed >> 4, scale, a_lo.dtype), acc, input_precision=DOT_PRECISION)
+            acc = _dot(a_lo, _e2m1_tile(packed & 15, scale, a_lo.dtype), acc, IEEE)
+            acc = _dot(a_hi, _e2m1_tile(packed >> 4, scale, a_lo.dtype), acc, IEEE)
             if GATED:
                 packed = tl.load(w_ptrs + N * stride_wn, mask=k_low[:, None] < k_left, other=0)
                 scale = tl.load(s_ptrs + N * stride_wsn, mask=k_low[:, None] < k_left, other=0)
-                acc_up = tl.dot(a_lo, _e2m1_tile(packed & 15, scale, a_lo.dtype), acc_up, input_precision=DOT_PRECISION)
-                acc_up = tl.dot(a_hi, _e2m1_tile(packed >> 4, scale, a_lo.dtype), acc_up, input_precision=DOT_PRECISION)
+                acc_up = _dot(a_lo, _e2m1_tile(packed & 15, scale, a_lo.dtype), acc_up, IEEE)
+                acc_up = _dot(a_hi, _e2m1_tile(packed >> 4, scale, a_lo.dtype), acc_up, IEEE)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += (BLOCK_K // 2) * stride_wk
             s_ptrs += (BLOCK_K // 32) * stride_wsk
@@ -147,7 +173,7 @@ def moe_gemm_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
         w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+        for kk in range(0, cdiv_(K, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs)
                 w = tl.load(w_ptrs)
@@ -168,9 +194,9 @@ def moe_gemm_kernel(
                     w_s = tl.load(ws_base + ((offs_n + N) // 128) * stride_wsn + group * stride_wsk)
                     acc_up += tl.dot(a, w_up) * (a_s[:, None] * w_s[None, :])
             else:
-                acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+                acc = _dot(a, w, acc, IEEE)
                 if GATED:
-                    acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+                    acc_up = _dot(a, w_up, acc_up, IEEE)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk
 

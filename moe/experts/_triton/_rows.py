@@ -3,24 +3,27 @@
 import triton
 import triton.language as tl
 
-E4M3_MAX: tl.constexpr = 448.0
+from moe.experts._triton._lang import max_
+
+E4M3_MAX = tl.constexpr(448.0)
 
 # quantization modes (rows.FP8_MODES)
-_TENSOR: tl.constexpr = 1
-_ROW: tl.constexpr = 2
-_GROUP: tl.constexpr = 3
+_TENSOR = tl.constexpr(1)
+_ROW = tl.constexpr(2)
+_GROUP = tl.constexpr(3)
 
 # which rows hold data (rows.VALID_*)
-_ALL: tl.constexpr = 0
-_LOCAL_IDS: tl.constexpr = 1  # valid_ptr[row] >= 0
-_BATCHED: tl.constexpr = 2  # row = e * T + m with m < counts[e]
+_ALL = tl.constexpr(0)
+_HERE = tl.constexpr(1)  # slot rows whose expert is on this rank: map_ptr[valid_ptr[row]] >= 0
+_BATCHED = tl.constexpr(2)  # row = e * T + m with m < counts[e]
 
 
 @triton.jit
-def _valid_rows(rows, num_rows, valid_ptr, rows_per_expert, VALID: tl.constexpr):
+def _valid_rows(rows, num_rows, valid_ptr, map_ptr, rows_per_expert, VALID: tl.constexpr):
     ok = rows < num_rows
-    if VALID == _LOCAL_IDS:
-        ok = ok & (tl.load(valid_ptr + rows, mask=ok, other=-1) >= 0)
+    if VALID == _HERE:
+        expert = tl.load(valid_ptr + rows, mask=ok, other=0)
+        ok = ok & (tl.load(map_ptr + expert, mask=ok, other=-1) >= 0)
     elif VALID == _BATCHED:
         count = tl.load(valid_ptr + rows // rows_per_expert, mask=ok, other=0)
         ok = ok & (rows % rows_per_expert < count)
@@ -48,29 +51,29 @@ def _to_e4m3(x, scale):
     return q.to(tl.float8e4nv)
 
 
-@triton.jit
-def amax_kernel(x_ptr, amax_ptr, valid_ptr, num_rows, K, rows_per_expert, stride_xm,
+@triton.jit(do_not_specialize=["num_rows", "rows_per_expert"])
+def amax_kernel(x_ptr, amax_ptr, valid_ptr, map_ptr, num_rows, K, rows_per_expert, stride_xm,
                 VALID: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """``amax_ptr[0] = max(amax_ptr[0], max |x|)`` over the valid rows of this program's tile."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = _valid_rows(rows, num_rows, valid_ptr, rows_per_expert, VALID)
+    ok = _valid_rows(rows, num_rows, valid_ptr, map_ptr, rows_per_expert, VALID)
     cols = tl.arange(0, BLOCK_K)
-    best = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    best = tl.full([BLOCK_R, BLOCK_K], 0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
         mask = ok[:, None] & (k0 + cols[None, :] < K)
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + k0 + cols[None, :], mask=mask, other=0.0)
         best = tl.maximum(best, tl.abs(x.to(tl.float32)))
-    tl.atomic_max(amax_ptr, tl.max(tl.max(best, 1), 0))
+    tl.atomic_max(amax_ptr, max_(max_(best, 1), 0))
 
 
-@triton.jit
-def fp8_quant_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, valid_ptr, num_rows, K, rows_per_expert,
+@triton.jit(do_not_specialize=["num_rows", "rows_per_expert"])
+def fp8_quant_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, valid_ptr, map_ptr, num_rows, K, rows_per_expert,
                      stride_xm, stride_qm, stride_sm, stride_sk,
                      MODE: tl.constexpr, VALID: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_K: tl.constexpr):
     """e4m3 ``q`` and fp32 scales of the valid rows of x; MODE picks tensor / row / 128-group scales."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = _valid_rows(rows, num_rows, valid_ptr, rows_per_expert, VALID)
+    ok = _valid_rows(rows, num_rows, valid_ptr, map_ptr, rows_per_expert, VALID)
     rows64 = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows64[:, None] * stride_xm
@@ -84,12 +87,12 @@ def fp8_quant_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, valid_ptr, num_rows, K, 
             x = tl.load(x_rows + k0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(q_rows + k0 + cols[None, :], _to_e4m3(x, scale), mask=mask)
     elif MODE == _ROW:
-        best = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+        best = tl.full([BLOCK_R, BLOCK_K], 0, tl.float32)
         for k0 in range(0, K, BLOCK_K):
             mask = ok[:, None] & (k0 + cols[None, :] < K)
             x = tl.load(x_rows + k0 + cols[None, :], mask=mask, other=0.0)
             best = tl.maximum(best, tl.abs(x.to(tl.float32)))
-        scale = _scale_of(tl.max(best, 1))
+        scale = _scale_of(max_(best, 1))
         tl.store(scale_ptr + rows64 * stride_sm, scale, mask=ok)
         for k0 in range(0, K, BLOCK_K):
             mask = ok[:, None] & (k0 + cols[None, :] < K)
@@ -99,24 +102,26 @@ def fp8_quant_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, valid_ptr, num_rows, K, 
         for k0 in range(0, K, BLOCK_K):
             mask = ok[:, None] & (k0 + cols[None, :] < K)
             x = tl.load(x_rows + k0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            scale = _scale_of(tl.max(tl.abs(x), 1))
+            scale = _scale_of(max_(tl.abs(x), 1))
             tl.store(scale_ptr + rows64 * stride_sm + (k0 // BLOCK_K) * stride_sk, scale, mask=ok)
             tl.store(q_rows + k0 + cols[None, :], _to_e4m3(x, scale[:, None]), mask=mask)
 
 
 @triton.jit
-def combine_kernel(y_ptr, weights_ptr, local_ptr, out_ptr, H, stride_ym, stride_om,
+def combine_kernel(y_ptr, weights_ptr, ids_ptr, map_ptr, out_ptr, H, stride_ym, stride_om,
                    TOP_K: tl.constexpr, CHECK_LOCAL: tl.constexpr, BLOCK_H: tl.constexpr):
-    """``out[m] = sum_j weights[m, j] * y[m * k + j]`` over the slots whose expert is here."""
+    """``out[m] = sum_j weights[m, j] * y[m * k + j]`` over the slots whose expert is here
+    (``map[ids[m * k + j]] >= 0``)."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.full([BLOCK_H], 0, tl.float32)
     for j in tl.static_range(TOP_K):
         slot = token * TOP_K + j
         weight = tl.load(weights_ptr + slot)
         if CHECK_LOCAL:  # slots whose expert is elsewhere hold garbage: never load them
-            local = tl.load(local_ptr + slot + tl.zeros([BLOCK_H], dtype=tl.int64))
+            expert = tl.load(ids_ptr + slot + tl.full([BLOCK_H], 0, tl.int64))
+            local = tl.load(map_ptr + expert)
             mask = col_ok & (local >= 0)
         else:
             mask = col_ok

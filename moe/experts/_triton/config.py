@@ -37,11 +37,16 @@ class TileConfig:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Both GEMMs' launch parameters for one M; ``block_m`` also sets the alignment's padding."""
+    """Both GEMMs' launch parameters for one M; ``block_m`` also sets the alignment's padding.
+
+    ``direct``: no sorting; one program per (slot, N tile) reads its expert from the top-k ids
+    (decode: saves the alignment launch; a repeated expert's weights are read once per slot).
+    """
 
     block_m: int
     gemm1: TileConfig
     gemm2: TileConfig
+    direct: bool = False
 
     def __post_init__(self):
         if self.block_m not in BLOCK_MS:
@@ -52,7 +57,8 @@ class LaunchConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "LaunchConfig":
-        return cls(data["block_m"], TileConfig(**data["gemm1"]), TileConfig(**data["gemm2"]))
+        return cls(data["block_m"], TileConfig(**data["gemm1"]), TileConfig(**data["gemm2"]),
+                   data.get("direct", False))
 
 
 @dataclass(frozen=True)
@@ -122,7 +128,7 @@ def default_config(key: ConfigKey, num_tokens: int) -> LaunchConfig:
     block_k = 128 if key.scheme in ("fp8_block", "mxfp4") or rows_per_expert <= 32 else 64
     if rows_per_expert <= 16:  # decode: weight streaming, many narrow programs
         tile = TileConfig(block_n=32 if gated else 64, block_k=block_k, num_warps=4, num_stages=4)
-        return LaunchConfig(16, tile, TileConfig(64, block_k, 1, 4, 4))
+        return LaunchConfig(16, tile, TileConfig(64, block_k, 1, 4, 4), direct=num_tokens <= 4)
     if rows_per_expert <= 128:
         tile = TileConfig(block_n=64, block_k=block_k, group_m=1, num_warps=4, num_stages=3)
         return LaunchConfig(32 if rows_per_expert <= 48 else 64, tile, TileConfig(128 if not gated else 64, block_k, 1, 4, 3))

@@ -46,6 +46,15 @@ class SortedRows:
 
 
 @dataclass(frozen=True)
+class DirectRows:
+    """Standard format without sorting: one program per slot, expert from the top-k ids."""
+
+    topk_ids: torch.Tensor  # int32 [M*k] global ids
+    expert_map: torch.Tensor | None  # int32 [E] global -> local (-1 elsewhere); None: identity
+    a_row_div: int  # k when A is the token-major input, 1 when A is indexed by slot
+
+
+@dataclass(frozen=True)
 class BatchedRows:
     """Batched format: A and output rows ``e * T + m`` for ``m < counts[e]``."""
 
@@ -59,37 +68,71 @@ def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
     return (strides + (0,) * n)[:n]
 
 
-def grouped_gemm(
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch, fully resolved: what `grouped_gemm` runs and what the tuner precompiles."""
+
+    grid: tuple[int, ...]
+    args: tuple  # positional: tensors and ints
+    constexprs: dict  # keyword: the compile-time switches, num_warps and num_stages
+
+    def run(self) -> None:
+        kernels("gemm").moe_gemm_kernel[self.grid](*self.args, **self.constexprs)
+
+    def compile_spec(self) -> tuple:
+        """Picklable stand-in (tensors replaced by their dtypes) for `precompile` in another process."""
+        args = tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in self.args)
+        return self.grid, args, self.constexprs
+
+
+def precompile(spec: tuple) -> str | None:
+    """Compiles the kernel of a `Launch.compile_spec` into Triton's cache; the error text, if any."""
+    grid, args, constexprs = spec
+    try:
+        kernels("gemm").moe_gemm_kernel.warmup(*args, grid=grid, **constexprs)
+    except Exception as error:  # noqa: BLE001 -- e.g. a tile that does not fit shared memory
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def gemm_launch(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
     w: WeightOperand,
     out: torch.Tensor,
-    rows: SortedRows | BatchedRows,
+    rows: SortedRows | DirectRows | BatchedRows,
     activation: Activation | None,
     block_m: int,
     tile: TileConfig,
-) -> torch.Tensor:
-    """Launches the kernel (no allocation). ``a [rows, K]``, ``out [rows_out, N_out]`` row-major."""
-    _gemm = kernels("gemm")
+) -> Launch:
+    """The launch of `grouped_gemm` (see there)."""
     gated = activation is not None and activation.is_gated
     n_out = out.shape[-1]
     k = w.k
     n_tiles = triton.cdiv(n_out, tile.block_n)
+    has_map = False
     if isinstance(rows, SortedRows):
         layout = rows.layout
         num_m_blocks = layout.block_expert.numel()
         grid = (num_m_blocks * n_tiles,)
         sorted_args = (layout.sorted_slots, layout.block_expert, layout.num_padded, layout.num_padded)
-        num_slots, per_expert, a_row_div = rows.num_slots, 1, rows.a_row_div
+        num_slots, per_expert, a_row_div, mode = rows.num_slots, 1, rows.a_row_div, 0
+    elif isinstance(rows, DirectRows):
+        num_m_blocks = rows.topk_ids.numel()
+        grid = (num_m_blocks * n_tiles,)
+        has_map = rows.expert_map is not None
+        emap = rows.expert_map if has_map else rows.topk_ids
+        sorted_args = (rows.topk_ids, emap, rows.topk_ids, rows.topk_ids)
+        num_slots, per_expert, a_row_div, mode = num_m_blocks, 1, rows.a_row_div, 2
     else:
         num_m_blocks = triton.cdiv(rows.rows_per_expert, block_m)
         grid = (num_m_blocks * n_tiles, rows.counts.numel())
         sorted_args = (rows.counts, rows.counts, rows.counts, rows.counts)
-        num_slots, per_expert, a_row_div = 0, rows.rows_per_expert, 1
+        num_slots, per_expert, a_row_div, mode = 0, rows.rows_per_expert, 1, 1
     act = activation
     params = (act.alpha, act.beta, act.limit) if act is not None and act.alpha is not None else (0.0, 0.0, 0.0)
-    dummy = w.data
-    _gemm.moe_gemm_kernel[grid](
+    dummy = w.data  # stands in for absent scales/biases; never read
+    args = (
         a, a_scale if a_scale is not None else dummy, w.data,
         w.scale if w.scale is not None else dummy, w.bias if w.bias is not None else dummy, out,
         *sorted_args,
@@ -97,13 +140,30 @@ def grouped_gemm(
         a.stride(0), a.stride(1), *_strides(a_scale, 2),
         *w.data.stride(), *_strides(w.scale, 3), *_strides(w.bias, 2), out.stride(0), out.stride(1),
         *params,
-        SORTED=isinstance(rows, SortedRows), A_ROW_DIV=a_row_div, GATED=gated,
+    )
+    constexprs = dict(
+        ROWS=mode, HAS_MAP=has_map, A_ROW_DIV=a_row_div, GATED=gated,
         ACTIVATION=ACTIVATION_CODES[None if act is None else act.kind],
         QUANT=QUANT_CODES[w.fmt], HAS_BIAS=w.bias is not None, EVEN_K=k % tile.block_k == 0,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        IEEE=a.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
+    return Launch(grid, args, constexprs)
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w: WeightOperand,
+    out: torch.Tensor,
+    rows: SortedRows | DirectRows | BatchedRows,
+    activation: Activation | None,
+    block_m: int,
+    tile: TileConfig,
+) -> torch.Tensor:
+    """Launches the kernel (no allocation). ``a [rows, K]``, ``out [rows_out, N_out]`` row-major."""
+    gemm_launch(a, a_scale, w, out, rows, activation, block_m, tile).run()
     return out
 
 

@@ -25,23 +25,31 @@ _BLOCK_R = 16
 
 @dataclass(frozen=True)
 class RowValidity:
-    """Which rows of a ``[rows, K]`` buffer hold data: all, ``local_ids[row] >= 0``, or batched."""
+    """Which rows of a ``[rows, K]`` buffer hold data: all; the slots whose expert is on this rank
+    (``expert_map[topk_ids[row]] >= 0``); or batched rows (``row % T < counts[row // T]``)."""
 
-    local_ids: torch.Tensor | None = None  # int32 [rows]
+    topk_ids: torch.Tensor | None = None  # int32 [rows]: flattened [M, k] global ids
+    expert_map: torch.Tensor | None = None  # int32 [E]: global -> local id, -1 elsewhere
     counts: torch.Tensor | None = None  # int32 [E]: rows e*T .. e*T + counts[e] - 1 hold data
     rows_per_expert: int = 1  # T, with counts
 
-    def kernel_args(self, fallback: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-        if self.local_ids is not None:
-            return self.local_ids, self.rows_per_expert, 1
+    @classmethod
+    def slots_here(cls, topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> "RowValidity":
+        """Slot rows of the standard format; all of them without an expert map."""
+        return cls(topk_ids.reshape(-1), expert_map) if expert_map is not None else cls()
+
+    def kernel_args(self, fallback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """(valid_ptr, map_ptr, rows_per_expert, VALID mode) for the kernels."""
+        if self.expert_map is not None:
+            return self.topk_ids, self.expert_map, 1, 1
         if self.counts is not None:
-            return self.counts, self.rows_per_expert, 2
-        return fallback, 1, 0
+            return self.counts, self.counts, self.rows_per_expert, 2
+        return fallback, fallback, 1, 0
 
     def mask(self, num_rows: int, device) -> torch.Tensor:
         """Bool ``[rows]``, for the twins."""
-        if self.local_ids is not None:
-            return self.local_ids[:num_rows] >= 0
+        if self.expert_map is not None:
+            return self.expert_map.long()[self.topk_ids[:num_rows].long()] >= 0
         if self.counts is not None:
             rows = torch.arange(num_rows, device=device)
             return rows % self.rows_per_expert < self.counts.long()[rows // self.rows_per_expert]
@@ -73,16 +81,16 @@ def quantize_fp8_rows(
     _rows = kernels("rows")
     rows, k = x.shape
     mode = FP8_MODES[fmt]
-    valid_ptr, rows_per_expert, valid_mode = validity.kernel_args(x)
+    valid_ptr, map_ptr, rows_per_expert, valid_mode = validity.kernel_args(x)
     grid = (triton.cdiv(rows, _BLOCK_R),)
     block_k = GROUP if fmt is QuantFormat.FP8_BLOCK else min(256, triton.next_power_of_2(k))
     if fmt is QuantFormat.FP8_TENSOR:
         amax.zero_()
-        _rows.amax_kernel[grid](x, amax, valid_ptr, rows, k, rows_per_expert, x.stride(0),
+        _rows.amax_kernel[grid](x, amax, valid_ptr, map_ptr, rows, k, rows_per_expert, x.stride(0),
                                 VALID=valid_mode, BLOCK_R=_BLOCK_R, BLOCK_K=block_k)
     s_strides = tuple(scale.stride()) + (0, 0)
     _rows.fp8_quant_kernel[grid](
-        x, q, scale, amax, valid_ptr, rows, k, rows_per_expert,
+        x, q, scale, amax, valid_ptr, map_ptr, rows, k, rows_per_expert,
         x.stride(0), q.stride(0), s_strides[0], s_strides[1],
         MODE=mode, VALID=valid_mode, BLOCK_R=_BLOCK_R, BLOCK_K=block_k,
     )
@@ -101,30 +109,32 @@ def quantize_fp8_rows_reference(
 
 
 def combine_slots(
-    y: torch.Tensor, topk_weights: torch.Tensor, local_ids: torch.Tensor | None, out: torch.Tensor
+    y: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
+    out: torch.Tensor,
 ) -> torch.Tensor:
-    """``out [M, H] = sum_j topk_weights[m, j] * y[m*k + j]`` over slots with ``local_ids >= 0``."""
+    """``out [M, H] = sum_j topk_weights[m, j] * y[m*k + j]`` over the slots whose expert is here
+    (``expert_map[topk_ids] >= 0``; all of them without a map)."""
     _rows = kernels("rows")
     num_tokens, top_k = topk_weights.shape
     hidden = out.shape[1]
     block_h = min(1024, triton.next_power_of_2(hidden))
     grid = (num_tokens, triton.cdiv(hidden, block_h))
-    check = local_ids is not None
+    check = expert_map is not None
     _rows.combine_kernel[grid](
-        y, topk_weights, local_ids if check else topk_weights, out, hidden, y.stride(0), out.stride(0),
+        y, topk_weights, topk_ids, expert_map if check else topk_ids, out, hidden, y.stride(0), out.stride(0),
         TOP_K=top_k, CHECK_LOCAL=check, BLOCK_H=block_h,
     )
     return out
 
 
 def combine_slots_reference(
-    y: torch.Tensor, topk_weights: torch.Tensor, local_ids: torch.Tensor | None
+    y: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None
 ) -> torch.Tensor:
     """Torch twin of `combine_slots`, float32."""
     num_tokens, top_k = topk_weights.shape
     weights = topk_weights.float()
-    if local_ids is not None:
-        weights = torch.where(local_ids.view(num_tokens, top_k) >= 0, weights, 0.0)
+    if expert_map is not None:
+        weights = torch.where(expert_map.long()[topk_ids.long()] >= 0, weights, 0.0)
     per_slot = y[: num_tokens * top_k].float().view(num_tokens, top_k, -1)
     per_slot = torch.where(weights.unsqueeze(-1) != 0, per_slot, 0.0)  # garbage rows never count
     return (weights.unsqueeze(-1) * per_slot).sum(1)

@@ -1,0 +1,115 @@
+"""``python -m moe plan``: what the oracle would run for a layer on a (possibly simulated) platform, and why.
+
+    python -m moe plan --platform b200 --preset deepseek-v3 --quant nvfp4 --activation silu --explain
+    python -m moe plan --platform h100 --experts 128 --top-k 4 --hidden 2880 --intermediate 2880 \\
+        --quant mxfp4 --activation swiglu_oai --tokens 1 64 4096 --json
+
+Exit status 0 when some pair can serve, 1 when none can (the output then says why for each candidate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from moe.oracle.policy import Policy
+from moe.oracle.select import Plan, plan
+from moe.platform import PRESET_NAMES, Platform
+from moe.problem import MoEProblem, ParallelConfig
+from moe.quant import QuantScheme
+
+QUANT_NAMES = ("bf16", "fp16", "fp8", "fp8_token", "fp8_block", "mxfp8", "mxfp4", "nvfp4")
+DEFAULT_MAX_TOKENS = 8192
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    """Adds the ``plan`` subcommand to ``subparsers`` (of ``python -m moe``)."""
+    p = subparsers.add_parser("plan", help="which backends the oracle picks per token bucket, and why",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--platform", default="detect", help=f"'detect' (this machine) or one of {', '.join(PRESET_NAMES)}")
+    p.add_argument("--no-flashinfer", action="store_true", help="simulate the platform without flashinfer")
+    p.add_argument("--no-triton", action="store_true", help="simulate the platform without triton")
+    shape = p.add_argument_group("layer shape: --preset, or all of --experts --top-k --hidden --intermediate")
+    shape.add_argument("--preset", help="model preset (moe/presets), e.g. deepseek-v3")
+    shape.add_argument("--experts", type=int, help="E, the number of experts (a count, not a backend)")
+    shape.add_argument("--top-k", type=int, help="k, experts per token")
+    shape.add_argument("--hidden", type=int, help="H, hidden size")
+    shape.add_argument("--intermediate", type=int, help="I, intermediate size of one expert")
+    shape.add_argument("--bias", action="store_true", help="experts have biases (a preset says for itself)")
+    p.add_argument("--quant", choices=QUANT_NAMES, help="scheme (default: the preset's checkpoint scheme, or bf16)")
+    p.add_argument("--act-quant", choices=("mxfp8",), help="activation format for --quant mxfp4 (default bf16: W4A16)")
+    p.add_argument("--activation", help="silu, gelu, swiglu_oai, relu2 (default: the preset's, or silu)")
+    p.add_argument("--ep", type=int, default=1, help="plan for rank 0 of N expert-parallel ranks")
+    p.add_argument("--tokens", type=int, nargs="+", metavar="M", help="bucket edges (default 1 4 16 ... max tokens)")
+    p.add_argument("--max-tokens", type=int, help=f"largest M (default: the largest --tokens, or {DEFAULT_MAX_TOKENS})")
+    p.add_argument("--policy", help="a policy YAML file (default: MOE_POLICY / MOE_EXPERTS / MOE_PROFILE)")
+    p.add_argument("--force", help="force an experts or prepare/finalize backend by name")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    p.add_argument("--explain", action="store_true", help="add how each estimate was made and every candidate")
+    p.set_defaults(func=run_plan)
+    return p
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    result = plan(_problem(args), _platform(args), _policy(args), allow_empty=True)
+    print(_render(result, args))
+    return 0 if result.buckets else 1
+
+
+def _render(result: Plan, args: argparse.Namespace) -> str:
+    if args.json:
+        return json.dumps(result.to_json())
+    return result.explain() if args.explain else result.table()
+
+
+def _platform(args: argparse.Namespace) -> Platform:
+    platform = Platform.detect() if args.platform == "detect" else Platform.preset(args.platform)
+    remove = tuple(lib for lib, off in (("flashinfer", args.no_flashinfer), ("triton", args.no_triton)) if off)
+    return platform.with_libraries(remove=remove) if remove else platform
+
+
+def _policy(args: argparse.Namespace) -> Policy:
+    policy = Policy.from_file(args.policy) if args.policy else Policy.from_env()
+    if args.force:
+        from moe.registry import experts_classes, prepare_finalize_classes
+
+        experts = experts_classes()
+        same_kind = experts if args.force in experts else prepare_finalize_classes()
+        policy = policy.forcing(args.force, source="--force", replacing=same_kind)
+    if args.tokens:
+        policy = dataclasses.replace(policy, buckets=tuple(sorted(set(args.tokens))))
+    return policy
+
+
+def _problem(args: argparse.Namespace) -> MoEProblem:
+    sizes = _sizes(args)
+    quant_name = args.quant or sizes.pop("quant")
+    quant = QuantScheme.from_name(quant_name, act_quant=args.act_quant) if args.act_quant else quant_name
+    max_tokens = args.max_tokens or (max(args.tokens) if args.tokens else DEFAULT_MAX_TOKENS)
+    return MoEProblem.create(
+        num_experts=sizes["num_experts"], top_k=sizes["top_k"], hidden_size=sizes["hidden_size"],
+        intermediate_size=sizes["intermediate_size"], has_bias=sizes["has_bias"],
+        activation=args.activation or sizes["activation"], quant=quant, max_tokens=max_tokens,
+        parallel=ParallelConfig(ep_size=args.ep),
+    )
+
+
+def _sizes(args: argparse.Namespace) -> dict:
+    explicit = {"num_experts": args.experts, "top_k": args.top_k, "hidden_size": args.hidden,
+                "intermediate_size": args.intermediate}
+    if args.preset:
+        given = [f"--{k}" for k, v in zip(("experts", "top-k", "hidden", "intermediate"), explicit.values()) if v]
+        if given:
+            raise SystemExit(f"python -m moe plan: --preset and {', '.join(given)} exclude each other")
+        from moe.presets import load_preset
+
+        preset = load_preset(args.preset)
+        return {"num_experts": preset.num_experts, "top_k": preset.top_k, "hidden_size": preset.hidden_size,
+                "intermediate_size": preset.intermediate_size, "has_bias": preset.has_bias,
+                "activation": preset.activation, "quant": preset.quant}
+    missing = [f"--{k}" for k, v in zip(("experts", "top-k", "hidden", "intermediate"), explicit.values()) if not v]
+    if missing:
+        raise SystemExit(f"python -m moe plan: give --preset, or all of --experts --top-k --hidden --intermediate "
+                         f"(missing {', '.join(missing)})")
+    return {**explicit, "has_bias": args.bias, "activation": "silu", "quant": "bf16"}

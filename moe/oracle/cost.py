@@ -1,0 +1,165 @@
+"""The cost model: a roofline of the MoE problem on a platform, scaled by a backend's efficiency profile.
+
+For M tokens on one rank (k slots each; under expert parallelism every rank sends its M tokens, and
+this rank's E_local experts receive about M * k slots)::
+
+    experts hit   = E_local * (1 - (1 - k/E) ** (M * ep_size))        expected, for random routing
+    weight bytes  = experts hit * (w13_rows * H + H * I) * bits(weight format) / 8
+    act. bytes    = slots * (H * in_bytes + 2 * I * dtype_bytes + H * dtype_bytes)
+                    (gathered input, the intermediate written and read, each slot's output)
+    FLOPs         = 2 * slots * H * (w13_rows + I)
+    roofline_us   = max(bytes / memory_bandwidth, FLOPs / peak_flops(precision))
+    experts us    = overhead_us + roofline_us / efficiency        (efficiency, overhead: the profile)
+
+The GEMM precision is the activations' format (fp8 -> "fp8", nvfp4 -> "fp4") or, with unquantized
+activations (W4A16, bf16), the dtype. The prepare/finalize half costs its profile's overhead plus the
+bytes it moves: the batched format scatters and gathers every slot through memory, a prepare that
+quantizes activations reads and writes them once, and under expert parallelism each token crosses
+the interconnect once per remote rank owning any of its experts, and its result comes back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from moe.formats import ActivationFormat
+from moe.oracle.profile import DEFAULT_EFFICIENCY, DEFAULT_OVERHEAD_US, Profile, ProfileEntry
+from moe.platform import Platform
+from moe.problem import MoEProblem
+from moe.quant import QuantFormat
+
+_F = QuantFormat
+# bits per stored weight element, scales included (block 128x128 fp32 scales and per-row scales are < 0.01)
+_WEIGHT_BITS = {_F.FP8_TENSOR: 8.0, _F.FP8_ROW: 8.0, _F.FP8_BLOCK: 8.0, _F.MXFP8: 8.25, _F.MXFP4: 4.25, _F.NVFP4: 4.5}
+_ACTIVATION_PRECISION = {_F.FP8_TENSOR: "fp8", _F.FP8_ROW: "fp8", _F.FP8_BLOCK: "fp8", _F.MXFP8: "fp8", _F.NVFP4: "fp4"}
+_DTYPE_PRECISION = {2: "bf16", 4: "fp32"}
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Bytes and FLOPs of one forward of M tokens, and the time each takes at the platform's peak."""
+
+    tokens: int
+    experts_hit: float
+    weight_bytes: float
+    activation_bytes: float
+    flops: float
+    precision: str  # the GEMMs' precision: "bf16", "fp8", "fp4", ...
+    memory_us: float
+    compute_us: float
+
+    @property
+    def us(self) -> float:
+        return max(self.memory_us, self.compute_us)
+
+    @property
+    def bound(self) -> str:
+        return "memory" if self.memory_us >= self.compute_us else "compute"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One half's estimated time: ``overhead_us + roofline_us / efficiency``, and where the numbers came from."""
+
+    us: float
+    roofline_us: float
+    efficiency: float
+    overhead_us: float
+    basis: str  # "estimated (h100, bf16) (estimates.yaml)", "measured (bench.yaml)", ...
+
+
+def expected_experts_hit(num_experts: int, top_k: int, local_experts: int, routed_tokens: int) -> float:
+    """Expected distinct local experts hit when ``routed_tokens`` tokens each pick k of E at random."""
+    return local_experts * (1.0 - (1.0 - top_k / num_experts) ** routed_tokens)
+
+
+def weight_bits(fmt: QuantFormat, dtype_bytes: int) -> float:
+    return _WEIGHT_BITS.get(fmt, 8.0 * dtype_bytes)
+
+
+def gemm_precision(problem: MoEProblem) -> str:
+    act = problem.quant.activation
+    if act is not _F.NONE:
+        return _ACTIVATION_PRECISION[act]
+    return "fp16" if problem.quant_name == "fp16" else _DTYPE_PRECISION[problem.dtype.itemsize]
+
+
+def roofline(problem: MoEProblem, platform: Platform, tokens: int) -> Roofline:
+    """The roofline of one forward of ``tokens`` tokens on this rank (formulas in the module docstring)."""
+    p, dtype_bytes = problem, problem.dtype.itemsize
+    hit = expected_experts_hit(p.num_experts, p.top_k, p.local_num_experts, tokens * p.parallel.ep_size)
+    slots = tokens * p.top_k
+    weight_bytes = hit * (p.w13_rows * p.hidden_size + p.hidden_size * p.intermediate_size)
+    weight_bytes *= weight_bits(p.quant.weight, dtype_bytes) / 8
+    in_bytes = weight_bits(p.quant.activation, dtype_bytes) / 8
+    act_bytes = slots * (p.hidden_size * in_bytes + 2 * p.intermediate_size * dtype_bytes + p.hidden_size * dtype_bytes)
+    flops = 2.0 * slots * p.hidden_size * (p.w13_rows + p.intermediate_size)
+    precision = gemm_precision(p)
+    return Roofline(
+        tokens=tokens, experts_hit=hit, weight_bytes=weight_bytes, activation_bytes=act_bytes, flops=flops,
+        precision=precision, memory_us=1e6 * (weight_bytes + act_bytes) / platform.memory_bandwidth,
+        compute_us=1e6 * flops / platform.peak_flops(precision),
+    )
+
+
+# --- efficiency from profile points -----------------------------------------------------------------
+def _point_efficiency(point: ProfileEntry, platform: Platform) -> tuple[float, float]:
+    """(efficiency, overhead_us) of one point; a measurement is divided into its own shape's roofline."""
+    if not point.measured:
+        return point.efficiency, point.overhead_us
+    shape_problem = point.shape.problem(point.quant, max(point.tokens, 1))
+    efficiency = roofline(shape_problem, platform, point.tokens).us / point.measured_us
+    return efficiency, 0.0
+
+
+def efficiency_at(points: tuple[ProfileEntry, ...], platform: Platform, tokens: int) -> tuple[float, float]:
+    """(efficiency, overhead_us) at M=``tokens``: interpolated in log2(M) between points, held beyond them."""
+    if not points:
+        return DEFAULT_EFFICIENCY, DEFAULT_OVERHEAD_US
+    values = [(point.tokens, *_point_efficiency(point, platform)) for point in points]
+    if tokens <= values[0][0]:
+        return values[0][1], values[0][2]
+    for (t0, e0, o0), (t1, e1, o1) in zip(values, values[1:]):
+        if tokens <= t1:
+            w = (math.log2(tokens) - math.log2(t0)) / (math.log2(t1) - math.log2(t0))
+            return e0 + w * (e1 - e0), o0 + w * (o1 - o0)
+    return values[-1][1], values[-1][2]
+
+
+def _estimate(name: str, roofline_us: float, problem: MoEProblem, platform: Platform, tokens: int,
+              profile: Profile) -> Estimate:
+    points, basis = profile.points(name, platform, problem.quant_name)
+    efficiency, overhead = efficiency_at(points, platform, tokens)
+    return Estimate(overhead + roofline_us / efficiency, roofline_us, efficiency, overhead, basis)
+
+
+def estimate_experts(name: str, problem: MoEProblem, platform: Platform, tokens: int, profile: Profile) -> Estimate:
+    """Estimated time of Experts backend ``name`` for M=``tokens``."""
+    return _estimate(name, roofline(problem, platform, tokens).us, problem, platform, tokens, profile)
+
+
+def transport_us(pf_format: ActivationFormat, quantizes: bool, problem: MoEProblem, platform: Platform,
+                 tokens: int) -> float:
+    """Roofline time of what a prepare/finalize moves: batched scatter/gather, quantization, all-to-all."""
+    p, dtype_bytes = problem, problem.dtype.itemsize
+    in_bytes = weight_bits(p.quant.activation, dtype_bytes) / 8 if quantizes else dtype_bytes
+    slots = tokens * p.top_k
+    local_bytes = tokens * p.hidden_size * (dtype_bytes + in_bytes) if quantizes else 0.0
+    if pf_format is ActivationFormat.BATCHED:
+        local_bytes += 2 * slots * p.hidden_size * (in_bytes + dtype_bytes)
+    us = 1e6 * local_bytes / platform.memory_bandwidth
+    ep = p.parallel.ep_size
+    if ep > 1:
+        # a token travels once to each rank owning any of its k experts, and its result comes back once
+        ranks_reached = ep * (1.0 - (1.0 - p.top_k / p.num_experts) ** (p.num_experts / ep))
+        remote_rows = tokens * ranks_reached * (ep - 1) / ep
+        us += 1e6 * remote_rows * p.hidden_size * (in_bytes + dtype_bytes) / max(platform.interconnect_bandwidth, 1.0)
+    return us
+
+
+def estimate_transport(name: str, pf_format: ActivationFormat, quantizes: bool, problem: MoEProblem,
+                       platform: Platform, tokens: int, profile: Profile) -> Estimate:
+    """Estimated time of PrepareFinalize ``name`` when its prepare ``quantizes`` activations or not."""
+    us = transport_us(pf_format, quantizes, problem, platform, tokens)
+    return _estimate(name, us, problem, platform, tokens, profile)

@@ -1,0 +1,300 @@
+"""Efficiency profiles: how close each backend gets to the roofline, estimated or measured.
+
+The oracle estimates a backend's time as ``overhead_us + roofline_us / efficiency`` (see
+``moe.oracle.cost``). The efficiencies are data, in YAML files of this schema (one file may hold
+many backends and platforms)::
+
+    version: 1
+    backends:
+      triton:                        # an Experts or PrepareFinalize name
+        h100:                        # Platform.kind ("h100", "b200", "cpu", ...) or "*" for any
+          - tokens: 1                # M of this point; between points efficiency and overhead are
+            quant: bf16              #   interpolated linearly in log2(M), beyond them held constant
+            efficiency: 0.45         # scheme name (MoEProblem.quant_name: bf16, fp8_block, nvfp4, ...) or "*"
+            overhead_us: 8           # optional fixed cost per call (launches, host work); default 0
+            note: why this number    # optional
+          - tokens: 64
+            quant: fp8_block
+            measured_us: 41.7        # a measurement instead of an efficiency, with the shape it was
+            shape: {preset: deepseek-v3}   # measured at: a preset name, or num_experts, top_k,
+                                           # hidden_size, intermediate_size, activation (default silu)
+
+A measurement becomes an efficiency by dividing its shape's roofline (on the same platform) by the
+measured time, so it also informs other shapes. ``python -m moe bench --save-profile PATH`` writes
+measurements with ``save_profile``; the oracle reads them from a policy's ``profiles`` or
+``MOE_PROFILE=path[:path...]``.
+
+Which points the oracle uses for (backend, platform, quant), first non-empty wins:
+
+1. measured points for (backend, platform.kind or platform.name, quant), from any file;
+2. estimated points for (backend, platform, quant), then (backend, platform, "*"),
+   then (backend, "*", quant), then (backend, "*", "*");
+3. none: ``DEFAULT_EFFICIENCY`` and ``DEFAULT_OVERHEAD_US`` -- pessimistic on purpose, so that an
+   unmeasured plugin never displaces a profiled backend -- said so in the explanation.
+
+Within one level, a later file's points replace an earlier file's points at the same tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from moe.errors import MoEConfigError
+from moe.platform import Platform
+from moe.problem import MoEProblem
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+SCHEMA_VERSION = 1
+ANY = "*"
+# An unprofiled backend (a new plugin) ranks below the profiled ones until it is measured.
+DEFAULT_EFFICIENCY = 0.02
+DEFAULT_OVERHEAD_US = 1000.0
+_ENTRY_KEYS = ("tokens", "quant", "efficiency", "measured_us", "overhead_us", "shape", "note")
+_SHAPE_KEYS = ("preset", "num_experts", "top_k", "hidden_size", "intermediate_size", "activation")
+
+
+@dataclass(frozen=True)
+class ProfileShape:
+    """The layer shape a measurement was taken at."""
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    activation: str = "silu"
+    preset: str | None = None  # the preset it was read from, if any (saved as just the name)
+
+    @classmethod
+    def of(cls, problem: MoEProblem, preset: str | None = None) -> "ProfileShape":
+        return cls(problem.num_experts, problem.top_k, problem.hidden_size, problem.intermediate_size,
+                   problem.activation.name, preset)
+
+    def problem(self, quant: str, max_tokens: int) -> MoEProblem:
+        scheme = "bf16" if quant == ANY else quant
+        return MoEProblem.create(num_experts=self.num_experts, top_k=self.top_k, hidden_size=self.hidden_size,
+                                 intermediate_size=self.intermediate_size, activation=self.activation,
+                                 quant=scheme, max_tokens=max_tokens)
+
+    def to_yaml(self) -> dict[str, Any]:
+        if self.preset is not None:
+            return {"preset": self.preset}
+        return {k: getattr(self, k) for k in _SHAPE_KEYS[1:]}
+
+
+@dataclass(frozen=True)
+class ProfileEntry:
+    """One point: an efficiency (estimated) or a time (measured) for one backend, platform, scheme, M."""
+
+    backend: str
+    platform: str  # Platform.kind, or "*"
+    tokens: int
+    quant: str  # scheme name or "*"
+    efficiency: float | None = None
+    measured_us: float | None = None
+    overhead_us: float = 0.0
+    shape: ProfileShape | None = None  # required with measured_us
+    note: str = ""
+    source: str = ""  # the file it was read from (not saved)
+
+    @property
+    def measured(self) -> bool:
+        return self.measured_us is not None
+
+    @classmethod
+    def measurement(cls, backend: str, platform: Platform, problem: MoEProblem, tokens: int, measured_us: float,
+                    *, preset: str | None = None, note: str = "") -> "ProfileEntry":
+        """What the bench records: ``backend`` ran ``problem`` with M=``tokens`` in ``measured_us``."""
+        return cls(backend, platform.kind, tokens, problem.quant_name, measured_us=measured_us,
+                   shape=ProfileShape.of(problem, preset), note=note)
+
+    def key(self) -> tuple:
+        return (self.backend, self.platform, self.quant, self.tokens, self.measured, self.shape)
+
+    def to_yaml(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"tokens": self.tokens, "quant": self.quant}
+        if self.measured:
+            out.update(measured_us=self.measured_us, shape=self.shape.to_yaml())
+        else:
+            out["efficiency"] = self.efficiency
+        if self.overhead_us:
+            out["overhead_us"] = self.overhead_us
+        if self.note:
+            out["note"] = self.note
+        return out
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Profile entries from one or more files, later files taking precedence."""
+
+    entries: tuple[ProfileEntry, ...] = ()
+
+    def merged(self, other: "Profile") -> "Profile":
+        return Profile(self.entries + other.entries)
+
+    def points(self, backend: str, platform: Platform, quant: str) -> tuple[tuple[ProfileEntry, ...], str]:
+        """The points to use and a description of where they come from (see the module docstring)."""
+        mine = [e for e in self.entries if e.backend == backend]
+        names = {platform.kind, platform.name}
+        levels = [
+            ("measured", [e for e in mine if e.measured and e.platform in names and e.quant == quant]),
+            (f"{platform.kind}, {quant}", _estimates(mine, names, {quant})),
+            (f"{platform.kind}, any scheme", _estimates(mine, names, {ANY})),
+            (f"any platform, {quant}", _estimates(mine, {ANY}, {quant})),
+            ("any platform, any scheme", _estimates(mine, {ANY}, {ANY})),
+        ]
+        for label, found in levels:
+            if found:
+                points = _latest_per_tokens(found)
+                files = sorted({Path(e.source).name for e in points if e.source})
+                return points, f"{label} ({', '.join(files) or 'given'})"
+        return (), f"no profile entry: default efficiency {DEFAULT_EFFICIENCY}, overhead {DEFAULT_OVERHEAD_US} us"
+
+
+def _estimates(entries: list[ProfileEntry], platforms: set[str], quants: set[str]) -> list[ProfileEntry]:
+    return [e for e in entries if not e.measured and e.platform in platforms and e.quant in quants]
+
+
+def _latest_per_tokens(entries: list[ProfileEntry]) -> tuple[ProfileEntry, ...]:
+    """One point per (tokens, shape): the last one read; sorted by tokens."""
+    latest = {(e.tokens, e.shape): e for e in entries}
+    return tuple(sorted(latest.values(), key=lambda e: e.tokens))
+
+
+# --- files ---------------------------------------------------------------------------------------
+def load_profile(path: str | Path) -> Profile:
+    """Reads and validates one profile file (schema in the module docstring)."""
+    path = Path(path)
+    where = str(path)
+    with open(path, encoding="utf-8") as file:
+        try:
+            data = yaml.safe_load(file) or {}
+        except yaml.YAMLError as error:
+            raise MoEConfigError(f"{where}: not valid YAML ({error})") from None
+    _require_mapping(data, where, "the file")
+    _only_keys(data, ("version", "description", "backends"), where, "top level")
+    if data.get("version", SCHEMA_VERSION) != SCHEMA_VERSION:
+        raise MoEConfigError(f"{where}: version must be {SCHEMA_VERSION} (got {data.get('version')!r})")
+    backends = data.get("backends") or {}
+    _require_mapping(backends, where, "backends")
+    entries = []
+    for backend, platforms in backends.items():
+        _require_mapping(platforms, where, f"backends.{backend}")
+        for platform, points in platforms.items():
+            if not isinstance(points, list):
+                raise MoEConfigError(f"{where}: backends.{backend}.{platform} must be a list of points")
+            for i, point in enumerate(points):
+                entries.append(_parse_entry(str(backend), str(platform), point, where, f"backends.{backend}.{platform}[{i}]"))
+    return Profile(tuple(entries))
+
+
+def save_profile(path: str | Path, entries: Iterable[ProfileEntry], *, merge: bool = True,
+                 description: str = "") -> Profile:
+    """Writes ``entries`` to ``path`` (keeping the file's other entries when ``merge``); returns what it wrote.
+
+    An entry replaces an existing one with the same backend, platform, scheme, tokens and shape.
+    """
+    path = Path(path)
+    existing = load_profile(path).entries if merge and path.exists() else ()
+    by_key = {e.key(): e for e in existing}
+    by_key.update({e.key(): e for e in entries})
+    kept = sorted(by_key.values(), key=lambda e: (e.backend, e.platform, e.quant, e.tokens))
+    tree: dict[str, dict[str, list]] = {}
+    for e in kept:
+        tree.setdefault(e.backend, {}).setdefault(e.platform, []).append(e.to_yaml())
+    document = {"version": SCHEMA_VERSION, **({"description": description} if description else {}), "backends": tree}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as file:
+        yaml.safe_dump(document, file, sort_keys=False)
+    return Profile(tuple(replace(e, source=str(path)) for e in kept))
+
+
+@functools.lru_cache(maxsize=None)
+def builtin_profile() -> Profile:
+    """The estimates shipped in ``moe/oracle/profiles/*.yaml``, in file-name order."""
+    profile = Profile()
+    for path in sorted(PROFILE_DIR.glob("*.yaml")):
+        profile = profile.merged(load_profile(path))
+    return profile
+
+
+def load_profiles(paths: Iterable[str | Path]) -> Profile:
+    """The built-in estimates followed by ``paths`` (later files take precedence)."""
+    profile = builtin_profile()
+    for path in paths:
+        if not Path(path).is_file():
+            raise MoEConfigError(f"profile file {str(path)!r} does not exist")
+        profile = profile.merged(load_profile(path))
+    return profile
+
+
+def env_profile_paths() -> tuple[str, ...]:
+    """``MOE_PROFILE=path[:path...]``."""
+    value = os.environ.get("MOE_PROFILE", "")
+    return tuple(p for p in value.split(os.pathsep) if p)
+
+
+# --- validation ----------------------------------------------------------------------------------
+def _require_mapping(value: Any, where: str, what: str) -> None:
+    if not isinstance(value, dict):
+        raise MoEConfigError(f"{where}: {what} must be a mapping (got {type(value).__name__})")
+
+
+def _only_keys(data: dict, allowed: tuple[str, ...], where: str, what: str) -> None:
+    unknown = sorted(str(k) for k in data if k not in allowed)
+    if unknown:
+        raise MoEConfigError(f"{where}: unknown key(s) {unknown} at {what}; allowed keys: {', '.join(allowed)}")
+
+
+def _number(value: Any, where: str, key: str, *, positive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and value <= 0) or value < 0:
+        bound = "> 0" if positive else ">= 0"
+        raise MoEConfigError(f"{where}: {key} must be a number {bound} (got {value!r})")
+    return float(value)
+
+
+def _parse_entry(backend: str, platform: str, point: Any, file: str, at: str) -> ProfileEntry:
+    _require_mapping(point, file, at)
+    _only_keys(point, _ENTRY_KEYS, file, at)
+    tokens = point.get("tokens")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise MoEConfigError(f"{file}: {at}.tokens must be an int >= 1 (got {tokens!r})")
+    quant = point.get("quant")
+    if not isinstance(quant, str):
+        raise MoEConfigError(f"{file}: {at}.quant must be a scheme name or '*' (got {quant!r})")
+    has_eff, has_us = "efficiency" in point, "measured_us" in point
+    if has_eff == has_us:
+        raise MoEConfigError(f"{file}: {at} needs exactly one of efficiency, measured_us")
+    efficiency = _number(point["efficiency"], file, f"{at}.efficiency") if has_eff else None
+    if efficiency is not None and efficiency > 1:
+        raise MoEConfigError(f"{file}: {at}.efficiency is a fraction of the roofline, in (0, 1] (got {efficiency})")
+    shape = _parse_shape(point.get("shape"), file, f"{at}.shape") if has_us else None
+    return ProfileEntry(
+        backend, platform, tokens, quant, efficiency=efficiency,
+        measured_us=_number(point["measured_us"], file, f"{at}.measured_us") if has_us else None,
+        overhead_us=_number(point.get("overhead_us", 0.0), file, f"{at}.overhead_us", positive=False),
+        shape=shape, note=str(point.get("note", "")), source=file,
+    )
+
+
+def _parse_shape(value: Any, file: str, at: str) -> ProfileShape:
+    if value is None:
+        raise MoEConfigError(f"{file}: {at} is required with measured_us (a preset name or the layer's sizes)")
+    _require_mapping(value, file, at)
+    _only_keys(value, _SHAPE_KEYS, file, at)
+    if "preset" in value:
+        from moe.presets import load_preset
+
+        p = load_preset(value["preset"])
+        return ProfileShape(p.num_experts, p.top_k, p.hidden_size, p.intermediate_size, p.activation, p.name)
+    missing = [k for k in _SHAPE_KEYS[1:5] if k not in value]
+    if missing:
+        raise MoEConfigError(f"{file}: {at} lacks {missing}; give a preset or all of {', '.join(_SHAPE_KEYS[1:5])}")
+    sizes = {k: int(_number(value[k], file, f"{at}.{k}")) for k in _SHAPE_KEYS[1:5]}
+    return ProfileShape(**sizes, activation=str(value.get("activation", "silu")))

@@ -1,0 +1,205 @@
+"""``flashinfer_a2a``: expert parallelism over NVLink with FlashInfer's ``MoeAlltoAll`` (one host).
+
+``flashinfer.comm.MoeAlltoAll`` (TensorRT-LLM's throughput all-to-all) maps every rank's workspace into
+every other rank's address space -- cuMem allocations whose handles (POSIX file descriptors within a
+host) are exchanged through torch.distributed (`TorchDistBackend`) -- and moves tokens with one-sided
+NVLink writes: no NCCL on the hot path, fixed ``[ep_size, max_tokens_per_rank]`` receive buffers.
+It creates no NVLink multicast object (FlashInfer's all-reduce and mixed-comm modules do; nothing
+here calls them); keep ``NCCL_NVLS_ENABLE=0``. flashinfer is imported only when an instance is built.
+
+How this package's contracts meet the kernel's:
+
+- A token travels once per destination rank with all k ids and weights; the kernel picks ranks by
+  contiguous placement (expert e on rank ``e // (E / ep_size)``), so ``check`` rejects other maps.
+- Receive rows that no token filled get expert id ``skip_id`` (an expert of another rank) through
+  FlashInfer's sanitize step, so the experts skip them. FlashInfer's examples use E there, but here
+  `TopK` ids stay in ``[0, E)``: the experts index an E-entry expert map with them.
+- An idle rank (M = 0) dispatches one dummy token routed to its own first expert, so it travels
+  nowhere (the dispatch kernel wants a token, as SGLang found), with zero activations and weights and
+  payload ids ``skip_id`` so no expert computes it; finalize returns ``[0, H]``.
+- ``runtime_max_tokens_per_rank`` is ``max_tokens_per_rank`` on every call: all ranks must pass the
+  same value, and a fixed one needs no extra collective (at the price of experts seeing padded rows).
+- Per-slot outputs are weighted and summed over this rank's slots here; the partial sums travel
+  home in the layer's dtype and FlashInfer's combine adds them.
+"""
+
+from __future__ import annotations
+
+import socket
+import warnings
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from moe.errors import MoEConfigError, UnsupportedError
+from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
+from moe.parallel import (
+    EPCapacity,
+    ExpertPlacement,
+    RowCodec,
+    arrived_activations,
+    comm_device,
+    local_expert_ids,
+    process_group,
+    token_payloads,
+    wire_format,
+)
+from moe.platform import Platform
+from moe.prepare_finalize.all_to_all import ExchangedDispatched, expert_parallel_reasons
+from moe.prepare_finalize.base import PrepareFinalize
+from moe.prepare_finalize.local import QUANTIZABLE
+from moe.problem import MoEProblem, ParallelConfig
+from moe.quant import QuantFormat
+from moe.registry import register_prepare_finalize
+from moe.router import TopK
+from moe.workspace import Workspace
+
+MAX_RANKS = 64  # kMaxRanks in FlashInfer's moeAlltoAllKernels.h
+MAX_TOP_K = 22  # kMaxTopK there
+
+
+def payload_order(payloads: dict[str, torch.Tensor]) -> list[str]:
+    """Payload names by element size, largest first: the kernel packs them back to back and wants
+    each one aligned to its element size ("reorder payloads by largest to smallest element size")."""
+    return sorted(payloads, key=lambda name: -payloads[name].element_size())
+
+
+def dispatch_bytes_per_token(problem: MoEProblem) -> int:
+    """Bytes of one token's payloads: the larger of the two formats the experts may ask for."""
+    p = problem
+    return max(RowCodec.for_activations(p.hidden_size, p.dtype, wire_format(p, fmt), p.top_k).row_bytes
+               for fmt in {QuantFormat.NONE, p.quant.activation})
+
+
+@register_prepare_finalize
+class FlashInferAllToAllPrepareFinalize(PrepareFinalize):
+    name = "flashinfer_a2a"
+    format = ActivationFormat.STANDARD
+    quant_formats = QUANTIZABLE
+
+    @classmethod
+    def check(cls, problem: MoEProblem, platform: Platform | None) -> list[str]:
+        reasons = super().check(problem, platform) + expert_parallel_reasons(problem)
+        p = problem.parallel
+        contiguous = ParallelConfig(p.ep_size, p.ep_rank).global_to_local(problem.num_experts)
+        if p.expert_map is not None and list(p.expert_map) != contiguous:
+            reasons.append("places experts contiguously (rank = e // (E / ep_size)); an explicit expert_map is "
+                           "not supported: use all_to_all")
+        if p.ep_size > MAX_RANKS:
+            reasons.append(f"supports at most {MAX_RANKS} ranks (got ep_size={p.ep_size})")
+        if problem.top_k > MAX_TOP_K:
+            reasons.append(f"supports top_k <= {MAX_TOP_K} (got {problem.top_k})")
+        if platform is not None:
+            if not platform.is_cuda:
+                reasons.append(f"runs on CUDA GPUs of one host joined by NVLink, not {platform.device}")
+            if not platform.has_library("flashinfer"):
+                reasons.append("needs library 'flashinfer', which is not installed")
+        return reasons
+
+    def __init__(self, problem: MoEProblem, *, max_prefill_tokens: int | None = None):
+        super().__init__(problem)
+        self.capacity = EPCapacity(problem.parallel.ep_size, problem.max_tokens, None, max_prefill_tokens)
+        reasons = self.check(problem, None)
+        if reasons:
+            raise UnsupportedError(f"{self.name} cannot serve this problem", reasons)
+        self.group = process_group(problem.parallel, self.name)
+        comm = _flashinfer_comm()
+        _require_one_host(self.group)
+        self.placement = ExpertPlacement.gather(problem, self.group)
+        device = comm_device(self.group)  # the current GPU (NCCL group)
+        self._to_local = torch.tensor(self.placement.to_local, dtype=torch.int64, device=device)
+        self._first_local = local_expert_ids(problem.parallel, problem.num_experts)[0]
+        self._a2a = self._build(comm)
+
+    def _build(self, comm: SimpleNamespace):
+        p, parallel, per_rank = self.problem, self.problem.parallel, self.capacity.max_tokens_per_rank
+        ep = parallel.ep_size
+        mapping = comm.Mapping(world_size=ep, rank=parallel.ep_rank, gpus_per_node=ep, tp_size=ep, moe_ep_size=ep)
+        size = comm.moe_a2a_get_workspace_size_per_rank(ep, per_rank, dispatch_bytes_per_token(p),
+                                                        p.hidden_size * p.dtype.itemsize)
+        with warnings.catch_warnings():  # MoeAlltoAll is marked deprecated in 0.7.x; its API is what 0.7.2 documents
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return comm.MoeAlltoAll(mapping, max_num_tokens=per_rank, top_k=p.top_k, num_experts=p.num_experts,
+                                    workspace_size_per_rank=size,
+                                    mnnvl_config=comm.MnnvlConfig(comm_backend=comm.TorchDistBackend(self.group)))
+
+    @property
+    def num_dispatchers(self) -> int:
+        return self.problem.parallel.ep_size
+
+    @property
+    def max_tokens_per_rank(self) -> int:
+        return self.capacity.max_tokens_per_rank
+
+    def dispatch_shape(self, num_tokens: int) -> DispatchShape:
+        return DispatchShape(ActivationFormat.STANDARD, self.capacity.rows_arriving)
+
+    def prepare(self, hidden: torch.Tensor, topk: TopK, quantize_to: QuantFormat,
+                workspace: Workspace) -> Dispatched:
+        wire = wire_format(self.problem, quantize_to)
+        payloads, route = token_payloads(hidden, topk, wire), topk.ids
+        if hidden.shape[0] == 0:
+            payloads, route = self._dummy_token(payloads)
+        names = payload_order(payloads)
+        received = self._a2a.dispatch(route, [payloads[n] for n in names], self.max_tokens_per_rank,
+                                      invalid_token_expert_id=self.placement.skip_id,
+                                      expert_id_payload_index=names.index("ids"))
+        fields = {n: r.reshape(-1, r.shape[-1]) for n, r in zip(names, received)}
+        here = self._to_local[fields["ids"].long()] >= 0
+        x = arrived_activations(fields, wire, quantize_to, valid=here.any(1, keepdim=True))
+        return ExchangedDispatched(ActivationFormat.STANDARD, x, TopK(fields["ids"], fields["weights"]),
+                                   route=hidden.shape[0])
+
+    def finalize(self, output: ExpertsOutput, dispatched: Dispatched, topk: TopK) -> torch.Tensor:
+        p, rows = self.problem, dispatched.num_rows
+        if output.kind is OutputKind.REDUCED:
+            partial = output.out[:rows]
+        else:
+            here = self._to_local[dispatched.topk.ids.long()] >= 0
+            partial = _sum_slots_here(output.out[:rows], output.kind, here, dispatched.topk.weights)
+        payload = partial.to(p.dtype).view(p.parallel.ep_size, self.max_tokens_per_rank, p.hidden_size)
+        combined = self._a2a.combine(payload, self.max_tokens_per_rank)
+        return combined[: dispatched.route].clone()
+
+    def _dummy_token(self, payloads: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        dummy = {name: t.new_zeros(1, t.shape[-1]) for name, t in payloads.items()}
+        dummy["ids"].fill_(self.placement.skip_id)
+        route = torch.full_like(dummy["ids"], self._first_local)
+        return dummy, route
+
+
+def _sum_slots_here(out: torch.Tensor, kind: OutputKind, here: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``[M', H]`` float32: each row's slots computed on this rank, weighted unless already weighted.
+    Slots of other ranks are selected away, never multiplied by 0 (they may hold garbage)."""
+    acc = torch.zeros(out.shape[0], out.shape[-1], dtype=torch.float32, device=out.device)
+    for j in range(out.shape[1]):
+        value = out[:, j].float()
+        if kind is OutputKind.PER_SLOT:
+            value = value * weights[:, j : j + 1]
+        acc += torch.where(here[:, j : j + 1], value, 0.0)
+    return acc
+
+
+def _flashinfer_comm() -> SimpleNamespace:
+    try:
+        from flashinfer.comm import MoeAlltoAll, moe_a2a_get_workspace_size_per_rank
+        from flashinfer.comm.mapping import Mapping
+        from flashinfer.comm.mnnvl import MnnvlConfig, TorchDistBackend
+    except ImportError as error:
+        raise UnsupportedError(
+            "flashinfer_a2a needs flashinfer >= 0.7.2 with cuda-python and nvidia-ml-py installed",
+            [f"import failed: {error}"],
+        ) from error
+    return SimpleNamespace(MoeAlltoAll=MoeAlltoAll, moe_a2a_get_workspace_size_per_rank=moe_a2a_get_workspace_size_per_rank,
+                           Mapping=Mapping, MnnvlConfig=MnnvlConfig, TorchDistBackend=TorchDistBackend)
+
+
+def _require_one_host(group) -> None:
+    hosts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    if len(set(hosts)) != 1:
+        raise MoEConfigError(
+            f"flashinfer_a2a runs within one host (NVLink peers); the ranks are on hosts {sorted(set(hosts))}: "
+            "use all_to_all across hosts"
+        )

@@ -1,0 +1,268 @@
+"""``python -m moe tune``: search the Triton experts' launch configs and write them as data files.
+
+For each token count M (a bucket), every candidate BLOCK_M is tried; for each, the tiles of the two
+GEMMs are timed separately (CUDA-graph replays, two input sets with different routing rotated so
+the weights are not all cache-hot), and the BLOCK_M whose best pair is fastest wins. All candidate
+kernels are compiled first, in parallel worker processes, into Triton's on-disk cache. The result
+is one `ConfigTable` file per (shape, scheme, device) in ``moe/experts/_triton/configs/`` (or
+``--out``), which `TritonExperts` loads at ``prepare_weights``. A progress bar goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moe.experts._triton.config import CONFIG_DIR, ConfigTable, LaunchConfig, TileConfig
+
+DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class Progress:
+    """A one-line text progress bar on stderr."""
+
+    def __init__(self, total: int, label: str):
+        self.total, self.done, self.label, self.start = max(total, 1), 0, label, time.time()
+
+    def step(self, note: str = "") -> None:
+        self.done += 1
+        filled = int(30 * self.done / self.total)
+        elapsed = time.time() - self.start
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
+                         f"{elapsed:.0f}s {note[:50]:<50}")
+        if self.done >= self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+# --- the search space --------------------------------------------------------------------------------
+
+
+def candidate_block_ms(rows_per_expert: float) -> tuple[int, ...]:
+    if rows_per_expert <= 8:
+        return (16,)
+    if rows_per_expert <= 24:
+        return (16, 32)
+    if rows_per_expert <= 96:  # weight streaming still: small blocks sharing tiles through L2 may win
+        return (16, 32, 64)
+    return (64, 128)
+
+
+def candidate_rows(tokens: int, rows_per_expert: float) -> list[tuple[int, bool]]:
+    """(block_m, direct) pairs: direct (unsorted) only where a token's experts rarely repeat."""
+    plans = [(bm, False) for bm in candidate_block_ms(rows_per_expert)]
+    return plans + [(16, True)] if rows_per_expert <= 1 and tokens <= 64 else plans
+
+
+def candidate_tiles(block_m: int, wide_output: bool, scheme: str, rows_per_expert: float) -> list[TileConfig]:
+    """Tiles for one GEMM; ``wide_output`` is False for the gated first GEMM (two accumulators).
+
+    Small blocks stream weights (memory bound): wide K steps, deep pipelines, and GROUP_M > 1 so
+    that an expert's several blocks read each weight tile while it is still in L2.
+    """
+    ks = {"fp8_block": (64, 128), "mxfp4": (64, 128, 256)}.get(scheme)
+    groups = (1,) if rows_per_expert <= block_m else (1, 8)
+    if block_m == 16:
+        ns = (64, 128, 256) if wide_output else (32, 64, 128)
+        space = itertools.product(ns, ks or (128, 256), (4,), (3, 4, 5), groups)
+    elif block_m == 32:
+        ns = (64, 128, 256) if wide_output else (64, 128)
+        space = itertools.product(ns, ks or (64, 128, 256), (4,), (3, 4), groups)
+    else:
+        ns = (64, 128, 256) if wide_output else (64, 128)
+        groups = (8,) if rows_per_expert >= 256 else (1, 8)
+        space = itertools.product(ns, ks or (64, 128), (4, 8), (3, 4), groups)
+    tiles = [TileConfig(n, k, g, w, s) for n, k, w, s, g in space]
+    # a 128-row block with 4 warps spills its accumulators on wide tiles
+    return [t for t in tiles if not (block_m == 128 and t.num_warps == 4 and t.block_n >= 128)]
+
+
+# --- one shape ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class TuneCase:
+    """One layer's prepared weights and the inputs to time with."""
+
+    problem: object
+    experts: object
+    weights: object
+    inputs: list  # (hidden, TopK) pairs
+
+
+def make_case(preset, quant: str, tokens: int, weights, device) -> TuneCase:
+    from moe.bench import make_inputs
+    from moe.experts.triton import TritonExperts
+
+    problem = preset.problem(quant=quant, max_tokens=tokens)
+    experts = TritonExperts(problem)
+    return TuneCase(problem, experts, experts.prepare_weights(weights),
+                    make_inputs(preset, problem, tokens, 2, device))
+
+
+def gemm_launches(case: TuneCase, block_m: int, direct: bool, tiles1, tiles2, device) -> tuple[dict, dict, list]:
+    """For each tile, the launches of both GEMMs on each input set (workspace per input set), and
+    the alignment calls (none when direct)."""
+    from moe.experts._triton.align import align_block_size
+    from moe.experts._triton.gemm import DirectRows, SortedRows, gemm_launch
+    from moe.experts._triton.rows import RowValidity
+    from moe.experts._triton.support import quantize_activation
+    from moe.formats import ActivationFormat, DispatchShape
+    from moe.workspace import WorkspaceManager
+
+    p, w = case.problem, case.weights
+    first, second, aligns = {t: [] for t in tiles1}, {t: [] for t in tiles2}, []
+    for hidden, topk in case.inputs:
+        tokens = hidden.shape[0]
+        slots = tokens * p.top_k
+        ws = WorkspaceManager(device).take(
+            case.experts.workspace_shapes(DispatchShape(ActivationFormat.STANDARD, tokens)))
+        if direct:
+            ids = topk.ids.reshape(-1)
+            rows1, rows2 = DirectRows(ids, w.expert_map, p.top_k), DirectRows(ids, w.expert_map, 1)
+        else:
+            args = (topk.ids, w.expert_map, p.local_num_experts, block_m, ws)
+            layout = align_block_size(*args)
+            aligns.append(lambda args=args: align_block_size(*args))
+            rows1, rows2 = SortedRows(layout, slots, p.top_k), SortedRows(layout, slots, 1)
+        here = RowValidity.slots_here(topk.ids, w.expert_map)
+        x, x_scale = quantize_activation(hidden, p.quant.activation, "x", ws, RowValidity())
+        inter, y = ws["inter"][:slots], ws["y"][:slots]
+        for t in tiles1:
+            first[t].append(gemm_launch(x, x_scale, w.w13, inter, rows1, p.activation, block_m, t))
+        inter.normal_()  # a realistic intermediate for the second GEMM's input
+        a2, a2_scale = quantize_activation(inter, p.quant.activation, "inter", ws, here)
+        for t in tiles2:
+            second[t].append(gemm_launch(a2, a2_scale, w.w2, y, rows2, None, block_m, t))
+    return first, second, aligns
+
+
+def distinct_kernels(launch_sets: list[dict]) -> list[tuple]:
+    """The compile specs of the distinct kernels among the launches."""
+    specs = {}
+    for launches in launch_sets:
+        for runs in launches.values():
+            spec = runs[0].compile_spec()
+            specs[repr(spec[1:])] = spec
+    return list(specs.values())
+
+
+def precompile_all(specs: list[tuple], pool: ProcessPoolExecutor, progress: Progress | None) -> None:
+    """Compiles the kernels in the pool's worker processes into Triton's on-disk cache."""
+    from moe.experts._triton.gemm import precompile
+
+    for _ in pool.map(precompile, specs):
+        if progress:
+            progress.step("compiling")
+
+
+def best_tile(launches: dict, progress: Progress | None) -> tuple[TileConfig | None, float]:
+    from moe.bench import time_calls
+
+    best, best_us = None, float("inf")
+    for tile, runs in launches.items():
+        try:
+            us = time_calls([r.run for r in runs], graphs=True, budget_ms=30.0)
+        except Exception as error:  # noqa: BLE001 -- a tile that does not fit this GPU
+            us = float("inf")
+            if progress:
+                progress.step(f"skip {type(error).__name__}")
+        else:
+            if progress:
+                progress.step(f"{tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages}: {us:.1f}us")
+        if us < best_us:
+            best, best_us = tile, us
+    return best, best_us
+
+
+def tune_bucket(case: TuneCase, scheme: str, pool: ProcessPoolExecutor, device, label: str) -> tuple[LaunchConfig, float]:
+    from moe.bench import time_calls
+
+    p = case.problem
+    tokens = case.inputs[0][0].shape[0]
+    rows_per_expert = tokens * p.top_k / p.local_num_experts
+    plans = []
+    for block_m, direct in candidate_rows(tokens, rows_per_expert):
+        tiles1 = candidate_tiles(block_m, not p.activation.is_gated, scheme, rows_per_expert)
+        tiles2 = candidate_tiles(block_m, True, scheme, rows_per_expert)
+        plans.append(((block_m, direct), *gemm_launches(case, block_m, direct, tiles1, tiles2, device)))
+    specs = distinct_kernels([d for _, a, b, _ in plans for d in (a, b)])
+    progress = Progress(len(specs) + sum(len(a) + len(b) for _, a, b, _ in plans), label)
+    precompile_all(specs, pool, progress)
+    best = None
+    for (block_m, direct), first, second, aligns in plans:
+        tile1, us1 = best_tile(first, progress)
+        tile2, us2 = best_tile(second, progress)
+        # the sorted path also pays the alignment: direct has to beat both together
+        us = us1 + us2 + (time_calls(aligns, graphs=True, budget_ms=20.0) if aligns else 0.0)
+        if tile1 and tile2 and (best is None or us < best[1]):
+            best = (LaunchConfig(block_m, tile1, tile2, direct), us)
+    if best is None:
+        raise RuntimeError(f"no candidate config ran for {label}")
+    return best
+
+
+def tune_preset(preset_name: str, quant: str, tokens, out_dir: Path, workers: int) -> Path:
+    from moe.bench import build_weights
+    from moe.experts._triton.support import config_key
+    from moe.presets import load_preset
+
+    device = torch.device("cuda")
+    preset = load_preset(preset_name)
+    problem = preset.problem(quant=quant, max_tokens=max(tokens))
+    weights = build_weights(problem, device)
+    key = config_key(problem, "standard", device)
+    configs = dict(ConfigTable.load(key, out_dir).configs)  # buckets tuned before are kept
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        for m in tokens:
+            case = make_case(preset, quant, m, weights, device)
+            config, us = tune_bucket(case, quant, pool, device, f"{preset_name} {quant} M={m}")
+            sys.stderr.write(f"  M={m}: {config} ({us:.1f} us for both GEMMs and the alignment)\n")
+            configs[m] = config
+            path = ConfigTable(key, tuple(sorted(configs.items()))).save(out_dir)
+    return path  # saved after every bucket, so a run cut short keeps what it found
+
+
+# --- command line ------------------------------------------------------------------------------------
+
+
+def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", required=True, help="comma-separated preset names")
+    parser.add_argument("--quant", default="bf16", help="comma-separated schemes (default bf16)")
+    parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)),
+                        help="comma-separated token counts M to tune (the buckets)")
+    parser.add_argument("--out", default=str(CONFIG_DIR), help="directory for the config files")
+    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
+                        help="processes compiling kernels in parallel")
+
+
+def tune_command(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("python -m moe tune needs a CUDA GPU", file=sys.stderr)
+        return 2
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    for preset in (p for p in args.preset.split(",") if p):
+        for quant in (q for q in args.quant.split(",") if q):
+            path = tune_preset(preset, quant, tokens, Path(args.out), args.workers)
+            print(f"wrote {path}")
+    return 0
+
+
+def main_tune(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe tune", description=__doc__.split("\n")[0])
+    add_tune_arguments(parser)
+    return tune_command(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main_tune())

@@ -1,0 +1,83 @@
+"""The bench and tune commands' CPU-side parts: traffic and FLOP counts, tables, files, search spaces."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from moe import bench, tune
+from moe.presets import load_preset
+from moe.router import TopK
+from moe.weights import ExpertWeights
+
+
+def _record(experts, tokens, us, vllm=None):
+    return bench.Record("qwen3-30b-a3b", "bf16", tokens, experts, us, 1.0, 100.0, 10.0, 10.0 / us, True, vllm)
+
+
+def test_traffic_counts_hit_experts_and_activations():
+    p = load_preset("mixtral-8x7b").scaled(max_hidden=64, max_intermediate=32, max_experts=4).problem(quant="fp16")
+    weights = ExpertWeights.from_dense(torch.randn(4, 64, 64), torch.randn(4, 64, 32), quant="fp16")
+    topk = TopK(torch.tensor([[0, 1], [1, 0], [0, 1]], dtype=torch.int32), torch.rand(3, 2))
+    nbytes, flops = bench.traffic(p, weights, [topk])
+    per_expert = (64 * 64 + 64 * 32) * 2
+    assert nbytes == 2 * per_expert + 2 * 3 * 64 * 2  # experts 0 and 1 hit; hidden in + out
+    assert flops == 2 * 3 * 2 * 64 * (64 + 32)
+
+
+def test_table_compares_with_the_best_peer():
+    records = [_record("triton", 1, 30.0, 35.8), _record("torch_grouped", 1, 90.0, 35.8),
+               _record("triton", 16, 200.0, 204.6)]
+    table = bench.format_table(records)
+    assert "### qwen3-30b-a3b bf16" in table
+    assert "| 1 | 30.0 |" in table and "1.19x" in table  # 35.8 / 30.0
+    assert "| 16 | 200.0 |" in table and "- | - | - | -" in table  # torch_grouped missing at M=16
+
+
+def test_json_and_profile_files(tmp_path):
+    ceilings = bench.Ceilings("NVIDIA H200", 4.2e12, 7.7e14, 1.5e15)
+    records = [_record("triton", 1, 30.0, 35.8)]
+    bench.write_json(tmp_path / "r.json", ceilings, records, "nvidia-h200")
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["machine"] == "nvidia-h200" and data["records"][0]["us"] == 30.0
+    bench.save_profile(tmp_path / "p.json", ceilings, records)
+    entry = json.loads((tmp_path / "p.json").read_text())["entries"][0]
+    assert entry["experts"] == "triton" and entry["roofline_fraction"] == pytest.approx(1 / 3)
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    bench.plot(tmp_path / "p.png", [_record("triton", 1, 30.0, 35.8), _record("triton", 16, 200.0, 204.6)])
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_command_line_arguments():
+    parser = argparse.ArgumentParser()
+    bench.add_bench_arguments(parser)
+    args = parser.parse_args(["--preset", "qwen3-30b-a3b", "--tokens", "1,16", "--experts", "all"])
+    assert args.preset == ["qwen3-30b-a3b"] and args.tokens == [1, 16] and args.quant == ["bf16"]
+    parser = argparse.ArgumentParser()
+    tune.add_tune_arguments(parser)
+    assert parser.parse_args(["--preset", "mixtral-8x7b"]).quant == "bf16"
+
+
+def test_bench_without_gpu_says_so(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    assert bench.main_bench(["--tokens", "1"]) == 2
+    assert "CUDA" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp8_block", "mxfp4"])
+@pytest.mark.parametrize("rows_per_expert", [0.1, 4, 20, 64, 300, 5000])
+def test_tune_search_space_is_valid(scheme, rows_per_expert):
+    for block_m in tune.candidate_block_ms(rows_per_expert):
+        for wide in (False, True):
+            tiles = tune.candidate_tiles(block_m, wide, scheme, rows_per_expert)
+            assert tiles
+            for t in tiles:
+                if scheme == "fp8_block":
+                    assert 128 % t.block_k == 0
+                if scheme == "mxfp4":
+                    assert t.block_k >= 64

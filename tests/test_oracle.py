@@ -1,0 +1,296 @@
+"""The oracle: cost model, profiles, selection properties, explanation, and the layer that uses it."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import itertools
+import json
+import random
+import re
+
+import pytest
+import torch
+import yaml
+
+from moe import FusedMoE, MoEConfigError, UnsupportedError
+from moe.experts.reference import ReferenceExperts
+from moe.kernel import ModularKernel
+from moe.oracle import Policy, ProfileEntry, ProfileShape, load_profile, plan, save_profile
+from moe.oracle.cost import efficiency_at, estimate_experts, expected_experts_hit, gemm_precision, roofline
+from moe.oracle.profile import Profile, builtin_profile
+from moe.platform import PRESET_NAMES, Platform
+from moe.prepare_finalize import LocalPrepareFinalize
+from moe.presets import load_preset, preset_names
+from moe.problem import MoEProblem, ParallelConfig
+from moe.registry import experts_classes, prepare_finalize_classes
+from moe.testing import assert_close_moe
+
+# backends other engineers are writing: imported where present so the properties cover them too
+for _module in ("moe.experts.triton", "moe.experts.triton_batched", "moe.experts.flashinfer_cutlass",
+                "moe.experts.flashinfer_trtllm", "moe.experts.flashinfer_cutedsl", "moe.prepare_finalize.all_to_all",
+                "moe.prepare_finalize.flashinfer_a2a"):
+    if importlib.util.find_spec(_module) is not None:
+        importlib.import_module(_module)
+
+SMALL = dict(num_experts=8, top_k=2, hidden_size=128, intermediate_size=64)
+
+
+# --- cost model ------------------------------------------------------------------------------------
+def test_expected_experts_hit():
+    assert expected_experts_hit(256, 8, 256, 1) == pytest.approx(8)
+    assert expected_experts_hit(256, 8, 32, 8) == pytest.approx(32 * (1 - (1 - 8 / 256) ** 8))
+    assert expected_experts_hit(256, 8, 256, 100_000) == pytest.approx(256)
+    assert expected_experts_hit(4, 4, 4, 1) == 4
+
+
+def test_roofline_by_hand():
+    problem = MoEProblem.create(**SMALL, quant="bf16")
+    h100 = Platform.preset("h100")
+    r = roofline(problem, h100, 1)
+    assert r.experts_hit == pytest.approx(2)  # 8 * (1 - 6/8)
+    assert r.weight_bytes == pytest.approx(2 * (128 * 128 + 128 * 64) * 2)  # w13 [2I, H] + w2 [H, I], bf16
+    assert r.activation_bytes == pytest.approx(2 * (128 * 2 + 2 * 64 * 2 + 128 * 2))  # per slot: x, inter, out
+    assert r.flops == pytest.approx(2 * 2 * 128 * (128 + 64))
+    assert r.memory_us == pytest.approx(1e6 * (98304 + 1536) / 3.0e12)
+    assert r.compute_us == pytest.approx(1e6 * 98304 / 768e12)
+    assert r.us == r.memory_us and r.bound == "memory"
+
+
+def test_roofline_precision_and_weight_bits():
+    b200, a100 = Platform.preset("b200"), Platform.preset("a100")
+    nvfp4 = MoEProblem.create(**SMALL, quant="nvfp4")
+    w4a16 = MoEProblem.create(**SMALL, quant="mxfp4")
+    assert gemm_precision(nvfp4) == "fp4" and gemm_precision(w4a16) == "bf16"
+    assert gemm_precision(MoEProblem.create(**SMALL, quant="fp8_block")) == "fp8"
+    bf16 = MoEProblem.create(**SMALL, quant="bf16")
+    assert roofline(nvfp4, b200, 1).weight_bytes == pytest.approx(roofline(bf16, b200, 1).weight_bytes * 4.5 / 16)
+    assert a100.peak_flops("fp8") == a100.peak_flops("bf16")  # no fp8 tensor cores: falls back
+
+
+def test_efficiency_interpolates_in_log2_tokens_and_holds_beyond_the_points():
+    points = (ProfileEntry("x", "*", 1, "*", efficiency=0.2, overhead_us=10),
+              ProfileEntry("x", "*", 16, "*", efficiency=0.6, overhead_us=2))
+    h100 = Platform.preset("h100")
+    assert efficiency_at(points, h100, 4) == pytest.approx((0.4, 6.0))
+    assert efficiency_at(points, h100, 1) == pytest.approx((0.2, 10.0))
+    assert efficiency_at(points, h100, 1000) == pytest.approx((0.6, 2.0))
+
+
+# --- profiles ---------------------------------------------------------------------------------------
+def test_builtin_profile_names_only_stable_backend_names():
+    stable = {"reference", "torch_grouped", "triton", "triton_batched", "flashinfer_cutlass", "flashinfer_trtllm",
+              "flashinfer_cutedsl", "flashinfer_cutedsl_batched", "local", "batched", "all_to_all",
+              "all_to_all_batched", "flashinfer_a2a"}
+    assert {e.backend for e in builtin_profile().entries} == stable
+
+
+def test_measured_profile_round_trips_and_replaces_the_estimate(tmp_path):
+    h100 = Platform.preset("h100")
+    problem = load_preset("qwen3-30b-a3b").problem(quant="bf16", max_tokens=4096)
+    entry = ProfileEntry.measurement("triton", h100, problem, 64, 123.0, preset="qwen3-30b-a3b")
+    path = tmp_path / "bench.yaml"
+    save_profile(path, [entry])
+    loaded = load_profile(path)
+    assert loaded.entries[0].shape == ProfileShape.of(problem, "qwen3-30b-a3b")
+    assert yaml.safe_load(path.read_text())["backends"]["triton"]["h100"][0]["shape"] == {"preset": "qwen3-30b-a3b"}
+    profile = builtin_profile().merged(loaded)
+    at_64 = estimate_experts("triton", problem, h100, 64, profile)
+    assert at_64.us == pytest.approx(123.0) and at_64.basis.startswith("measured")
+    # the measured efficiency informs other token counts and shapes too (held constant beyond the point)
+    assert estimate_experts("triton", problem, h100, 4096, profile).efficiency == pytest.approx(at_64.efficiency)
+    # saving again merges: same key replaced, others kept
+    save_profile(path, [dataclasses.replace(entry, measured_us=100.0), dataclasses.replace(entry, tokens=1)])
+    assert sorted((e.tokens, e.measured_us) for e in load_profile(path).entries) == [(1, 123.0), (64, 100.0)]
+
+
+def test_profile_precedence_platform_then_scheme_then_any():
+    entries = (ProfileEntry("t", "*", 1, "*", efficiency=0.1), ProfileEntry("t", "*", 1, "nvfp4", efficiency=0.2),
+               ProfileEntry("t", "b200", 1, "*", efficiency=0.3), ProfileEntry("t", "b200", 1, "nvfp4", efficiency=0.4))
+    b200, h100 = Platform.preset("b200"), Platform.preset("h100")
+    for n in range(len(entries), 0, -1):
+        profile = Profile(entries[:n])
+        points, _ = profile.points("t", b200, "nvfp4")
+        assert points[0].efficiency == entries[n - 1].efficiency
+    assert Profile(entries).points("t", h100, "bf16")[0][0].efficiency == 0.1
+    assert Profile(entries).points("unknown", h100, "bf16") == ((), Profile().points("x", h100, "bf16")[1])
+
+
+@pytest.mark.parametrize("text,match", [
+    ("backends: {triton: {h100: [{tokens: 1, quant: bf16, efficiency: 0.5, speed: 2}]}}",
+     r"unknown key\(s\) \['speed'\].*allowed keys: tokens, quant, efficiency, measured_us"),
+    ("backends: {triton: {h100: [{tokens: 1, quant: bf16, efficiency: 0.5, measured_us: 3}]}}", "exactly one of"),
+    ("backends: {triton: {h100: [{tokens: 1, quant: bf16, efficiency: 1.5}]}}", r"in \(0, 1\]"),
+    ("backends: {triton: {h100: [{tokens: 1, quant: bf16, measured_us: 3}]}}", "shape.*required"),
+    ("backends: {triton: {h100: [{tokens: 0, quant: bf16, efficiency: 0.5}]}}", "tokens must be an int >= 1"),
+    ("version: 2\nbackends: {}", "version must be 1"),
+    ("colour: red", r"unknown key\(s\) \['colour'\].*allowed keys: version, description, backends"),
+    ("backends: [", "not valid YAML"),
+])
+def test_invalid_profile_files_name_the_key(tmp_path, text, match):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(MoEConfigError, match=match):
+        load_profile(path)
+
+
+# --- selection properties ---------------------------------------------------------------------------
+def _grid():
+    """A seeded sample of platform x preset x scheme x activation x EP x libraries."""
+    quants = ("bf16", "fp16", "fp8", "fp8_token", "fp8_block", "mxfp8", "mxfp4", "nvfp4")
+    combos = list(itertools.product(PRESET_NAMES, preset_names(), quants, (None, "relu2"), (1, 8), ((), ("flashinfer",))))
+    return random.Random(0).sample(combos, 160)
+
+
+def _problem(preset: str, quant: str, activation: str | None, ep: int) -> MoEProblem:
+    p = load_preset(preset)
+    ep = ep if p.num_experts % ep == 0 else 1
+    return MoEProblem.create(num_experts=p.num_experts, top_k=p.top_k, hidden_size=p.hidden_size,
+                             intermediate_size=p.intermediate_size, activation=activation or p.activation,
+                             quant=quant, has_bias=p.has_bias, max_tokens=2048, parallel=ParallelConfig(ep_size=ep))
+
+
+@pytest.mark.parametrize("platform_name,preset,quant,activation,ep,remove", _grid())
+def test_plan_properties(platform_name, preset, quant, activation, ep, remove):
+    problem = _problem(preset, quant, activation, ep)
+    platform = Platform.preset(platform_name).with_libraries(remove=remove)
+    result = plan(problem, platform, Policy(), allow_empty=True)
+    experts, pfs = experts_classes(), prepare_finalize_classes()
+    # every registered candidate exactly once, rejected ones with reasons
+    assert sorted(c.name for c in result.candidates) == sorted(list(experts) + list(pfs))
+    for c in result.candidates:
+        cls = experts[c.name] if c.kind == "experts" else pfs[c.name]
+        if cls.check(problem, platform):
+            assert c.reasons and set(cls.check(problem, platform)) <= set(c.reasons)
+    # the plan never picks a candidate whose check fails, nor a declaration without a working apply
+    for bucket in result.buckets:
+        pair = bucket.chosen.pair
+        assert experts[pair.experts].check(problem, platform) == []
+        assert pfs[pair.prepare_finalize].check(problem, platform) == []
+        assert experts[pair.experts].capabilities.implemented and pfs[pair.prepare_finalize].implemented
+        assert [s.us for s in bucket.ranking] == sorted(s.us for s in bucket.ranking)
+    # buckets tile 1..max_tokens
+    assert [(b.low, b.high) for b in result.buckets] in ([], [(1, 1), (2, 4), (5, 16), (17, 64), (65, 256),
+                                                             (257, 1024), (1025, 2048)])
+    # the explanation lists every candidate exactly once; the JSON is the documented object
+    candidates = result.explain().split("candidates (every registered backend, once):")[1]
+    for c in result.candidates:
+        assert len(re.findall(rf"^  {c.kind:<17} {re.escape(c.name)} ", candidates, re.M)) == 1, c.name
+    data = json.loads(json.dumps(result.to_json()))
+    assert set(data) == {"plan", "rejected", "workspace_bytes", "platform"}
+    assert data["rejected"] == {c.name: list(c.reasons) for c in result.candidates if c.reasons}
+    # forcing a rejected experts backend raises with its own reasons
+    unusable = next((n for n, cls in experts.items() if cls.check(problem, platform)), None)
+    if unusable is not None:
+        with pytest.raises(UnsupportedError) as error:
+            plan(problem, platform, Policy(force=(unusable,)))
+        assert error.value.reasons == tuple(experts[unusable].check(problem, platform))
+
+
+class _DeclaredOnlyExperts(ReferenceExperts):
+    name = "declared_only"
+    capabilities = dataclasses.replace(ReferenceExperts.capabilities, implemented=False)
+
+
+class _DeclaredOnlyPrepareFinalize(LocalPrepareFinalize):
+    name = "declared_only_pf"
+    implemented = False
+
+
+def test_a_declaration_without_apply_is_never_selected_even_if_it_looks_fastest(tmp_path):
+    profile = tmp_path / "fast.yaml"
+    profile.write_text(yaml.safe_dump({"version": 1, "backends": {
+        name: {"*": [{"tokens": 1, "quant": "*", "efficiency": 1.0}]} for name in ("declared_only", "declared_only_pf")}}))
+    experts = {**experts_classes(), "declared_only": _DeclaredOnlyExperts}
+    pfs = {**prepare_finalize_classes(), "declared_only_pf": _DeclaredOnlyPrepareFinalize}
+    problem = MoEProblem.create(**SMALL)
+    policy = Policy(profiles=(str(profile),))
+    result = plan(problem, Platform.preset("cpu"), policy, experts=experts, prepare_finalize=pfs)
+    assert "declared only" in " ".join(result.rejected["declared_only"])
+    assert "declared only" in " ".join(result.rejected["declared_only_pf"])
+    assert all(b.chosen.pair.experts != "declared_only" for b in result.buckets)
+    for name in ("declared_only", "declared_only_pf"):
+        with pytest.raises(UnsupportedError, match="declared only"):
+            plan(problem, Platform.preset("cpu"), dataclasses.replace(policy, force=(name,)),
+                 experts=experts, prepare_finalize=pfs)
+
+
+def test_forcing_an_unusable_backend_raises_with_all_its_reasons():
+    problem = load_preset("deepseek-v3").problem(quant="nvfp4")
+    with pytest.raises(UnsupportedError, match="forces experts 'torch_grouped'") as error:
+        plan(problem, Platform.preset("cpu"), Policy(force=("torch_grouped",)))
+    assert any("quant nvfp4" in r for r in error.value.reasons)
+    with pytest.raises(UnsupportedError, match="forces prepare_finalize 'batched'"):
+        plan(dataclasses.replace(problem, parallel=ParallelConfig(ep_size=8)), Platform.preset("cpu"),
+             Policy(force=("batched",)))
+
+
+def test_nothing_can_serve_raises_with_every_reason_unless_allowed():
+    problem = MoEProblem.create(**SMALL, quant="nvfp4")
+    policy = Policy(deny=("reference",))
+    with pytest.raises(UnsupportedError, match="no \\(prepare/finalize, experts\\) pair") as error:
+        plan(problem, Platform.preset("cpu"), policy)
+    assert any(r.startswith("experts reference: denied by policy") for r in error.value.reasons)
+    empty = plan(problem, Platform.preset("cpu"), policy, allow_empty=True)
+    assert empty.buckets == () and empty.to_json()["plan"] == [] and "no (prepare/finalize" in empty.table()
+
+
+def test_prefer_moves_a_candidate_up_only_within_the_margin():
+    problem = MoEProblem.create(**SMALL)
+    cpu = Platform.preset("cpu")
+    base = plan(problem, cpu, Policy())
+    assert base.bucket_for(1).chosen.pair.experts == "torch_grouped"
+    far = plan(problem, cpu, Policy(prefer=("reference",)))
+    assert far.bucket_for(1).chosen.pair.experts == "torch_grouped"
+    near = plan(problem, cpu, Policy(prefer=("reference",), prefer_margin=5.0))
+    assert near.bucket_for(1).chosen.pair.experts == "reference" and near.bucket_for(1).preferred
+    assert "(preferred by policy)" in near.table()
+
+
+# --- the layer uses the plan --------------------------------------------------------------------------
+@pytest.fixture
+def two_backend_policy(tmp_path):
+    """On CPU: reference for M <= 4, torch_grouped above (torch_grouped made hopeless at small M)."""
+    path = tmp_path / "split.yaml"
+    path.write_text(yaml.safe_dump({"version": 1, "backends": {"torch_grouped": {"cpu": [
+        {"tokens": 4, "quant": "*", "efficiency": 0.001, "overhead_us": 1e6},
+        {"tokens": 64, "quant": "*", "efficiency": 1.0}]}}}))
+    return Policy(buckets=(4,), profiles=(str(path),))
+
+
+def test_layer_dispatches_per_bucket_and_shares_one_workspace(two_backend_policy):
+    E, K, H, I = 6, 2, 40, 24
+    layer = FusedMoE(E, K, H, I, dtype=torch.float32, quant="fp32", max_tokens=64, policy=two_backend_policy,
+                     platform=Platform.preset("cpu"))
+    assert [b.chosen.pair.experts for b in layer.plan.buckets] == ["reference", "torch_grouped"]
+    assert layer.kernel_for(0).experts.name == layer.kernel_for(4).experts.name == "reference"
+    assert layer.kernel_for(5).experts.name == layer.kernel.experts.name == "torch_grouped"
+    assert "plan=[1-4: local + reference, 5-64: local + torch_grouped]" in repr(layer)
+    assert layer.plan.workspace_bytes == max(k.workspace_bytes() for k in layer.kernels.values())
+    w13, w2 = torch.randn(E, 2 * I, H) / 8, torch.randn(E, H, I) / 6
+    layer.load_weights(w13=w13, w2=w2)
+    truth = ModularKernel(LocalPrepareFinalize(layer.problem), ReferenceExperts(layer.problem))
+    prepared = truth.experts.prepare_weights(layer.weights)
+    for m in (0, 3, 40):
+        x, logits = torch.randn(m, H), torch.randn(m, E)
+        out = layer(x, logits)
+        assert out.shape == (m, H)
+        assert_close_moe(out, truth(x, layer.router(logits), prepared), "fp32")
+    managers = {id(k.workspace) for k in layer.kernels.values()}
+    assert len(managers) == 1
+    assert layer.kernel.workspace.reserved_bytes <= layer.plan.workspace_bytes
+
+
+def test_layer_force_and_env(monkeypatch):
+    assert FusedMoE(4, 2, 64, 32, experts="reference").kernel.experts.name == "reference"
+    monkeypatch.setenv("MOE_EXPERTS", "reference")
+    layer = FusedMoE(4, 2, 64, 32)
+    assert layer.kernel.experts.name == "reference" and layer.plan.policy.source == "MOE_EXPERTS"
+    monkeypatch.setenv("MOE_EXPERTS", "torch_grouped")
+    with pytest.raises(UnsupportedError, match="MOE_EXPERTS"):
+        FusedMoE(4, 2, 64, 32, quant="fp8")
+    # the argument wins over the environment
+    assert FusedMoE(4, 2, 64, 32, quant="fp8", experts="reference").kernel.experts.name == "reference"
+    with pytest.raises(MoEConfigError, match="unknown experts backend 'nope'"):
+        FusedMoE(4, 2, 64, 32, experts="nope")
