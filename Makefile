@@ -15,7 +15,7 @@ TESTS  := $(VENV)/.test-$(HASH)
 FLASHINFER := flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2 requests charset-normalizer \
               idna urllib3 certifi nvidia-ml-py tqdm
 
-.PHONY: demo test clean
+.PHONY: demo test docs clean
 
 $(BASE):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ demo: $(BASE)
 
 test: $(TESTS)
 	$(BIN)/python -m pytest -q
+
+# regenerate the support table in docs/writing-a-backend.md from the capability declarations
+docs: $(BASE)
+	$(BIN)/python -m moe.testing.docs
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

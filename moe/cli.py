@@ -1,4 +1,4 @@
-"""``python -m moe {demo, backends}``: the command line."""
+"""``python -m moe {demo, plan, backends, bench, tune}``: the command line."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from moe.demo import run_demo
+from moe.oracle.cli import add_plan_parser
 
 
 def _demo_parser(sub) -> None:
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m moe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _demo_parser(sub)
+    add_plan_parser(sub)
     _backends_parser(sub)
     return parser
 

@@ -20,6 +20,7 @@ from moe.errors import MoEConfigError
 from moe.kernel import ModularKernel
 from moe.loaders import load_experts, requantize
 from moe.oracle import Plan, Policy, plan
+from moe.parallel import shard_weights
 from moe.platform import Platform
 from moe.problem import MoEProblem, ParallelConfig
 from moe.registry import experts_classes, get_experts
@@ -30,10 +31,14 @@ from moe.weights import ExpertWeights
 class FusedMoE(torch.nn.Module):
     """A Mixture-of-Experts layer: ``forward(hidden_states [M, H], router_logits [M, E]) -> [M, H]``.
 
-    >>> layer = FusedMoE(8, 2, 64, 32, dtype=torch.float32)
+    >>> layer = FusedMoE(8, 2, 64, 32, dtype=torch.float32, quant="fp32")
     >>> layer.load_weights(w13=torch.randn(8, 64, 64) / 8, w2=torch.randn(8, 64, 32) / 8)
     >>> layer(torch.randn(3, 64), torch.randn(3, 8)).shape
     torch.Size([3, 64])
+
+    The backends come from ``moe.oracle.plan`` (``layer.plan.explain()`` says why): ``experts=NAME``
+    forces one (raising with its reasons if it cannot serve), ``policy`` replaces the environment's
+    (``MOE_POLICY`` / ``MOE_EXPERTS`` / ``MOE_PROFILE``), ``platform`` the detected one.
     """
 
     def __init__(
@@ -119,10 +124,20 @@ class FusedMoE(torch.nn.Module):
         self._install(requantize(weights, self.problem.quant, dtype=self.problem.dtype))
 
     def _install(self, weights: ExpertWeights) -> None:
+        if self.problem.parallel.enabled and weights.num_experts == self.problem.num_experts:
+            weights = shard_weights(weights, self.problem)  # full checkpoint -> this rank's experts
         weights = weights.to(self.device)
         weights.validate(self.problem)
-        self._prepared = {id(k): k.experts.prepare_weights(weights) for k in self.kernels.values()}
+        self._prepared = {}
+        for kernel in self.kernels.values():
+            prepared = kernel.experts.prepare_weights(weights)
+            kernel.experts.warmup(prepared, self._buckets_of(kernel))
+            self._prepared[id(kernel)] = prepared
         self.weights = weights
+
+    def _buckets_of(self, kernel: ModularKernel) -> tuple[int, ...]:
+        """Upper token edges of the plan's buckets this kernel serves (what warmup tunes for)."""
+        return tuple(b.high for b, k in zip(self.plan.buckets, self._bucket_kernels) if k is kernel)
 
     # --- run -------------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,7 @@ PREPARE_FINALIZE = prepare_finalize_classes()
 
 def _conclude(report) -> None:
     if report.ran_nothing and not report.failures:
-        reasons = sorted({reason for _, reasons in report.skipped for reason in reasons})
-        pytest.skip("cannot run here: " + "; ".join(reasons))
+        pytest.skip("cannot run here: " + "; ".join(report.skip_reasons()))
     report.assert_ok()
 
 

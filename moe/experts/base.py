@@ -80,8 +80,10 @@ class Experts(ABC):
         reasons = []
         pair = (problem.quant.weight, problem.quant.activation)
         if pair not in cap.quant:
-            allowed = ", ".join(sorted(f"{w.value}x{a.value}" for w, a in cap.quant))
-            reasons.append(f"quant {pair[0].value}x{pair[1].value} (weight x activation) not supported; supports {allowed}")
+            allowed = ", ".join(sorted(f"{w.value}×{a.value}" for w, a in cap.quant))
+            reasons.append(
+                f"quant {pair[0].value}×{pair[1].value} (weight×activation) not supported; supports {allowed}"
+            )
         if problem.activation.kind not in cap.activations:
             allowed = ", ".join(sorted(a.value for a in cap.activations))
             reasons.append(f"activation {problem.activation.name} not supported; supports {allowed}")
@@ -131,6 +133,11 @@ class Experts(ABC):
         """Converts canonical weights once, at load, to what ``apply`` wants. Default: validate only."""
         weights.validate(self.problem)
         return weights
+
+    def warmup(self, weights: Any, buckets: tuple[int, ...] | None = None) -> None:
+        """Once after ``prepare_weights``, before serving or CUDA-graph capture: tune or compile for
+        the token counts in ``buckets`` (upper edges). Nothing by default; libraries that autotune
+        (FlashInfer) do it here so the hot path only looks their choice up."""
 
     @abstractmethod
     def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:

@@ -114,7 +114,7 @@ def moe_conformance():
         check = check_experts if issubclass(cls, Experts) else check_prepare_finalize
         report = check(cls, platform=platform, cases=_mode(cases))
         if report.ran_nothing and not report.failures:
-            pytest.skip(str(report))
+            pytest.skip(f"{cls.__name__} cannot run here: " + "; ".join(report.skip_reasons()))
         if not report.passed:
             pytest.fail(str(report), pytrace=False)
         return report

@@ -94,6 +94,13 @@ class ConformanceReport:
         """True when every generated problem was skipped on this platform (see ``skipped``)."""
         return self.cases_ran == 0
 
+    def skip_reasons(self) -> list[str]:
+        """The reasons every skipped case shares (e.g. "runs on ['cuda'], not cpu"), else all of them."""
+        sets = [set(reasons) for _, reasons in self.skipped]
+        if not sets:
+            return []
+        return sorted(set.intersection(*sets) or set.union(*sets))
+
     def add(self, label: str, result: CaseResult, *, problem_case: bool = True) -> None:
         """Folds one case's result in; ``problem_case=False`` for contract-only cases (exclusions)."""
         self.failures += result.failures
