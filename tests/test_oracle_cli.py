@@ -90,3 +90,15 @@ def test_nothing_can_serve_prints_the_reasons_and_exits_1(capsys, tmp_path):
 def test_shape_argument_errors(capsys, argv, match):
     with pytest.raises(SystemExit, match=match):
         run(capsys, "--platform", "cpu", *argv)
+
+
+def test_explain_warns_when_only_reference_serves_a_gpu(capsys):
+    from moe.cli import main
+
+    assert main(["plan", "--platform", "h100", "--preset", "deepseek-v3", "--quant", "nvfp4",
+                 "--activation", "silu", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "warning    only the reference experts serve" in out
+    assert main(["plan", "--platform", "b200", "--preset", "deepseek-v3", "--quant", "nvfp4",
+                 "--activation", "silu", "--explain"]) == 0
+    assert "only the reference experts" not in capsys.readouterr().out

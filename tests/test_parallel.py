@@ -25,7 +25,8 @@ from moe.prepare_finalize import LocalPrepareFinalize
 from moe.prepare_finalize.all_to_all import AllToAllPrepareFinalize, BatchedAllToAllPrepareFinalize
 from moe.quant import QuantFormat
 from moe.registry import prepare_finalize_classes
-from tests.helpers import make_problem, random_dense
+from moe.testing.inputs import random_dense
+from tests.helpers import make_problem
 
 EP_CLASSES = (AllToAllPrepareFinalize, BatchedAllToAllPrepareFinalize)
 

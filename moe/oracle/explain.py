@@ -70,6 +70,10 @@ def render_table(plan: "Plan") -> str:
              if plan.problem.parallel.ep_size > 1 else "")
     lines.append(f"workspace  {plan.workspace_bytes:,} bytes (the largest of {members} kernel"
                  f"{'s' if members > 1 else ''}, each sized for the largest bucket it serves{share})")
+    if plan.platform.is_cuda and any(b.chosen.pair.experts == "reference" for b in plan.buckets):
+        lines.append("warning    only the reference experts serve some buckets on this GPU: they are the "
+                     "correctness oracle (float32, dequantized weights), orders of magnitude slower than a "
+                     "kernel; see the rejected candidates for what would make a fast backend eligible")
     return "\n".join(lines)
 
 

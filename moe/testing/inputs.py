@@ -22,7 +22,7 @@ def seeded_generator(*parts: object) -> torch.Generator:
     return gen
 
 
-def random_dense(problem: MoEProblem, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def random_dense(problem: MoEProblem, gen: torch.Generator | None = None) -> dict[str, torch.Tensor]:
     """Float32 canonical weights of the local experts, scaled so activations stay O(1)."""
     p, e = problem, problem.local_num_experts
     tensors = {
@@ -35,14 +35,14 @@ def random_dense(problem: MoEProblem, gen: torch.Generator) -> dict[str, torch.T
     return tensors
 
 
-def random_weights(problem: MoEProblem, gen: torch.Generator, device: torch.device | str = "cpu") -> ExpertWeights:
+def random_weights(problem: MoEProblem, gen: torch.Generator | None = None, device: torch.device | str = "cpu") -> ExpertWeights:
     """Canonical ``ExpertWeights`` for the problem's local experts, stored in its weight format."""
     weights = ExpertWeights.from_dense(**random_dense(problem, gen), quant=problem.quant, dtype=problem.dtype)
     return weights.to(device)
 
 
 def random_inputs(
-    problem: MoEProblem, num_tokens: int, gen: torch.Generator, device: torch.device | str = "cpu"
+    problem: MoEProblem, num_tokens: int, gen: torch.Generator | None = None, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, TopK]:
     """``hidden [M, H]`` in the problem's dtype and its ``TopK`` from a softmax router over random logits."""
     hidden = torch.randn(num_tokens, problem.hidden_size, generator=gen).to(problem.dtype)
