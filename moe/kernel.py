@@ -87,19 +87,33 @@ class ModularKernel:
         return nbytes
 
     # --- forward ---------------------------------------------------------------------------------
-    def forward(self, hidden: torch.Tensor, topk: TopK, weights: Any, *, validate: bool = True) -> torch.Tensor:
-        """``hidden [M, H]`` routed by ``topk`` -> a new ``[M, H]`` tensor.
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        topk: TopK,
+        weights: Any,
+        *,
+        validate: bool = True,
+        shared_output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``hidden [M, H]`` routed by ``topk`` -> a new ``[M, H]`` tensor (+ ``shared_output [M, H]``,
+        the shared experts' result, added inside finalize).
 
         ``validate`` also checks that every expert id is in range, which reads the ids on the host;
         pass False when the ids come from a Router (in range by construction) or inside a CUDA graph.
         """
         self._check_inputs(hidden, topk, validate)
+        if shared_output is not None and (shared_output.shape != hidden.shape or shared_output.dtype != hidden.dtype):
+            raise MoEConfigError(
+                f"shared_output must match hidden: [{hidden.shape[0]}, {hidden.shape[1]}] {hidden.dtype} "
+                f"(got {list(shared_output.shape)} {shared_output.dtype})"
+            )
         shapes = self.workspace_shapes(hidden.shape[0])
         views = self.workspace.take(shapes, caller=repr(self))
         pf_space, experts_space = _split(views, _PREPARE), _split(views, _EXPERTS)
         dispatched = self.prepare_finalize.prepare(hidden, topk, self.quantize_to, pf_space)
         output = self.experts.apply(dispatched, weights, experts_space)
-        return self.prepare_finalize.finalize(output, dispatched, topk)
+        return self.prepare_finalize.finalize(output, dispatched, topk, shared_output)
 
     __call__ = forward
 

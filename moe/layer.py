@@ -140,7 +140,10 @@ class FusedMoE(torch.nn.Module):
         return tuple(b.high for b, k in zip(self.plan.buckets, self._bucket_kernels) if k is kernel)
 
     # --- run -------------------------------------------------------------------------------------
-    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor, shared_output: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``[M, H]``; ``shared_output`` (a shared expert's result, DeepSeek-style) is added in finalize."""
         if not self._prepared:
             raise MoEConfigError("FusedMoE has no weights; call load_weights or load_checkpoint first")
         if router_logits.dim() != 2 or router_logits.shape[0] != hidden_states.shape[0]:
@@ -150,7 +153,7 @@ class FusedMoE(torch.nn.Module):
             )
         topk = self.router(router_logits)
         kernel = self.kernel_for(hidden_states.shape[0] if hidden_states.dim() == 2 else 0)
-        return kernel.forward(hidden_states, topk, self._prepared[id(kernel)], validate=False)
+        return kernel.forward(hidden_states, topk, self._prepared[id(kernel)], validate=False, shared_output=shared_output)
 
 
 def _policy(policy: Policy | None, experts: str | None) -> Policy:

@@ -153,3 +153,40 @@ def test_hidden_on_another_device_is_rejected():
     _, kernel, hidden, topk, weights = _kernel_and_inputs()
     with pytest.raises(MoEConfigError, match="hidden is on meta but the kernel was built for cpu"):
         kernel.forward(hidden.to("meta"), topk, weights)
+
+
+@pytest.mark.parametrize("pf_cls", [LocalPrepareFinalize, BatchedPrepareFinalize])
+@pytest.mark.parametrize("experts_cls", [ReferenceExperts, TorchGroupedExperts])
+def test_shared_output_is_added_in_finalize(pf_cls, experts_cls):
+    p = make_problem(dtype=torch.float32, quant="fp32")
+    if pf_cls is BatchedPrepareFinalize and experts_cls is TorchGroupedExperts:
+        pytest.skip("torch_grouped takes the standard format only")
+    kernel = ModularKernel(pf_cls(p), experts_cls(p))
+    weights = kernel.experts.prepare_weights(random_weights(p))
+    hidden, topk = random_inputs(p, 7)
+    shared = torch.randn(7, p.hidden_size)
+    plain = kernel.forward(hidden, topk, weights)
+    fused = kernel.forward(hidden, topk, weights, shared_output=shared)
+    torch.testing.assert_close(fused, plain + shared)
+
+
+def test_shared_output_must_match_hidden():
+    _, kernel, hidden, topk, weights = _kernel_and_inputs()
+    with pytest.raises(MoEConfigError, match=r"shared_output must match hidden: \[5, 40\]"):
+        kernel.forward(hidden, topk, weights, shared_output=torch.zeros(4, 40, dtype=hidden.dtype))
+
+
+def test_routed_scaling_factor_reaches_the_output_linearly():
+    """The Router folds routed_scaling_factor into topk.weights, so it scales biases too, as scaling
+    the summed output would (what SGLang fuses into finalize)."""
+    from moe import FusedMoE
+
+    kwargs = dict(activation="swiglu_oai", has_bias=True, dtype=torch.float32, quant="fp32")
+    plain = FusedMoE(6, 2, 40, 24, **kwargs)
+    scaled = FusedMoE(6, 2, 40, 24, routed_scaling_factor=2.5, **kwargs)
+    dense = dict(w13=torch.randn(6, 48, 40) / 6, w2=torch.randn(6, 40, 24) / 5,
+                 b13=torch.randn(6, 48) / 10, b2=torch.randn(6, 40) / 10)
+    plain.load_weights(**dense)
+    scaled.load_weights(**dense)
+    x, logits = torch.randn(5, 40), torch.randn(5, 6)
+    torch.testing.assert_close(scaled(x, logits), 2.5 * plain(x, logits))

@@ -8,6 +8,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates any kernel
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 
 import pytest  # noqa: E402
@@ -265,6 +266,11 @@ def test_config_lookup_and_roundtrip(tmp_path):
     assert path.name == "E=8,k=2,H=64,I=96,silu,fp16,standard,NVIDIA_H200.json"
     table = cfg.ConfigTable.load(key, tmp_path)
     assert table.lookup(2) == small and table.lookup(3000) == large
+    assert table.lookup(64) == large  # log-scale tie between 1 and 4096 goes to the larger bucket
+    decode = dataclasses.replace(small, direct=True)
+    sparse = cfg.ConfigTable(key, ((1, decode), (256, large)))
+    assert sparse.lookup(2) == decode and sparse.lookup(16) == large  # direct only near its bucket
+    assert cfg.ConfigTable(key, ((1, decode),)).lookup(64) == cfg.default_config(key, 64)
 
 
 def test_default_configs_are_valid():

@@ -3,6 +3,7 @@
 One forward, all on the GPU, no host sync, CUDA-graph capturable (shapes depend on M only)::
 
     align      topk ids -> rows sorted by local expert, padded to BLOCK_M     (_triton/align.py)
+               (decode configs skip it: one program per slot, "direct")
     quantize   x -> fp8 when the scheme quantizes activations                 (_triton/rows.py)
     gemm1      inter[slot] = act(x[token] @ w13[e].T + b13[e])  (gate/up fused) (_triton/gemm.py)
     quantize   inter -> fp8 (same activation format)

@@ -51,7 +51,7 @@ from moe.parallel import (
     wire_format,
 )
 from moe.platform import Platform
-from moe.prepare_finalize.base import PrepareFinalize, combine_slots
+from moe.prepare_finalize.base import PrepareFinalize, add_shared, combine_slots
 from moe.prepare_finalize.batched import batch_slots
 from moe.prepare_finalize.local import QUANTIZABLE
 from moe.problem import MoEProblem
@@ -172,12 +172,16 @@ class AllToAllPrepareFinalize(_ExpertParallel):
         x = arrived_activations(fields, wire, quantize_to)
         return ExchangedDispatched(ActivationFormat.STANDARD, x, TopK(fields["ids"], fields["weights"]), route=route)
 
-    def finalize(self, output: ExpertsOutput, dispatched: Dispatched, topk: TopK) -> torch.Tensor:
+    def finalize(
+        self, output: ExpertsOutput, dispatched: Dispatched, topk: TopK, shared_output: torch.Tensor | None = None
+    ) -> torch.Tensor:
         route, rows = dispatched.route, dispatched.num_rows
         if output.kind is OutputKind.REDUCED:
             back = _exchange(output.out[:rows], route.recv_counts, route.send_counts, self.group)
-            return _sum_partials(back, route.send_tokens, route.send_counts, topk.num_tokens, self.problem.dtype)
-        return self._finalize_slots(output.out[:rows], output.kind, dispatched, topk)
+            out = _sum_partials(back, route.send_tokens, route.send_counts, topk.num_tokens, self.problem.dtype)
+        else:
+            out = self._finalize_slots(output.out[:rows], output.kind, dispatched, topk)
+        return add_shared(out, shared_output)
 
     def _route(self, ids: torch.Tensor) -> StandardRoute:
         sends = self._destinations(ids)
@@ -277,13 +281,15 @@ class BatchedAllToAllPrepareFinalize(_ExpertParallel):
         # 4. received rows into the local experts' buffers
         return self._scatter(codec.unpack(recv), wire, quantize_to, workspace, BatchedRoute(send_rows))
 
-    def finalize(self, output: ExpertsOutput, dispatched: Dispatched, topk: TopK) -> torch.Tensor:
+    def finalize(
+        self, output: ExpertsOutput, dispatched: Dispatched, topk: TopK, shared_output: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if output.kind is OutputKind.REDUCED:
             raise MoEConfigError(f"{self.name} finalize takes per-slot output; the experts declared reduced")
         partial = _sum_local_slots(output, dispatched.slot_rows, dispatched.topk.weights)
         back = torch.empty_like(partial)
         dist.all_to_all_single(back, partial, group=self.group)
-        return _gather_partials(back, dispatched.route.send_rows, self.problem.dtype)
+        return add_shared(_gather_partials(back, dispatched.route.send_rows, self.problem.dtype), shared_output)
 
     # --- steps ---------------------------------------------------------------------------------
     def _agree_capacity(self, topk: TopK) -> None:

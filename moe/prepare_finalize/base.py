@@ -73,14 +73,30 @@ class PrepareFinalize(ABC):
         """Returns the experts' input; ``quantize_to`` is NONE when the experts quantize themselves."""
 
     @abstractmethod
-    def finalize(self, output: ExpertsOutput, dispatched: Dispatched, topk: TopK) -> torch.Tensor:
-        """Returns a new ``[M, H]`` tensor in ``hidden``'s dtype."""
+    def finalize(
+        self, output: ExpertsOutput, dispatched: Dispatched, topk: TopK, shared_output: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Returns a new ``[M, H]`` tensor in ``hidden``'s dtype, plus ``shared_output [M, H]`` (the
+        shared experts' result) when given -- added while combining where the transport allows, so it
+        costs no extra pass over the output. (The routed scaling factor needs no hook here: the Router
+        folds it into ``topk.weights``, which every backend applies, so it reaches biases too.)"""
 
 
-def combine_slots(per_slot: torch.Tensor, topk: TopK, kind: OutputKind, dtype: torch.dtype) -> torch.Tensor:
-    """Sums ``[M, k, H]`` over k, weighting by the router weights unless already weighted."""
+def combine_slots(
+    per_slot: torch.Tensor, topk: TopK, kind: OutputKind, dtype: torch.dtype, shared_output: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Sums ``[M, k, H]`` over k, weighting by the router weights unless already weighted, in float32,
+    adding ``shared_output`` before the cast."""
     if kind is OutputKind.PER_SLOT:
         per_slot = per_slot.float() * topk.weights.unsqueeze(-1)
     elif kind is not OutputKind.PER_SLOT_WEIGHTED:
         raise MoEConfigError(f"combine_slots takes per-slot output, not {kind.value}")
-    return per_slot.sum(dim=1, dtype=torch.float32).to(dtype)
+    out = per_slot.sum(dim=1, dtype=torch.float32)
+    if shared_output is not None:
+        out += shared_output
+    return out.to(dtype)
+
+
+def add_shared(out: torch.Tensor, shared_output: torch.Tensor | None) -> torch.Tensor:
+    """``out += shared_output`` in place (``out`` is finalize's fresh result); ``out`` when None."""
+    return out if shared_output is None else out.add_(shared_output)

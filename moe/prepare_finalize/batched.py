@@ -96,10 +96,12 @@ class BatchedPrepareFinalize(PrepareFinalize):
         batched = QuantizedTensor(data=x, scale=scale, global_scale=q.global_scale, fmt=q.fmt)
         return Dispatched(ActivationFormat.BATCHED, batched, topk, tokens_per_expert=counts, slot_rows=slot_rows)
 
-    def finalize(self, output: ExpertsOutput, dispatched: Dispatched, topk: TopK) -> torch.Tensor:
+    def finalize(
+        self, output: ExpertsOutput, dispatched: Dispatched, topk: TopK, shared_output: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if output.kind is OutputKind.REDUCED:
             raise MoEConfigError("batched finalize takes per-slot output; experts declared reduced")
         flat = output.out.reshape(-1, output.out.shape[-1])
         rows = dispatched.slot_rows
         per_slot = torch.where((rows >= 0).unsqueeze(-1), flat[rows.clamp(min=0)], 0)
-        return combine_slots(per_slot, topk, output.kind, self.problem.dtype)
+        return combine_slots(per_slot, topk, output.kind, self.problem.dtype, shared_output)

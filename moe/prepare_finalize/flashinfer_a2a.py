@@ -47,7 +47,7 @@ from moe.parallel import (
 )
 from moe.platform import Platform
 from moe.prepare_finalize.all_to_all import ExchangedDispatched, expert_parallel_reasons
-from moe.prepare_finalize.base import PrepareFinalize
+from moe.prepare_finalize.base import PrepareFinalize, add_shared
 from moe.prepare_finalize.local import QUANTIZABLE
 from moe.problem import MoEProblem, ParallelConfig
 from moe.quant import QuantFormat
@@ -151,7 +151,9 @@ class FlashInferAllToAllPrepareFinalize(PrepareFinalize):
         return ExchangedDispatched(ActivationFormat.STANDARD, x, TopK(fields["ids"], fields["weights"]),
                                    route=hidden.shape[0])
 
-    def finalize(self, output: ExpertsOutput, dispatched: Dispatched, topk: TopK) -> torch.Tensor:
+    def finalize(
+        self, output: ExpertsOutput, dispatched: Dispatched, topk: TopK, shared_output: torch.Tensor | None = None
+    ) -> torch.Tensor:
         p, rows = self.problem, dispatched.num_rows
         if output.kind is OutputKind.REDUCED:
             partial = output.out[:rows]
@@ -160,7 +162,7 @@ class FlashInferAllToAllPrepareFinalize(PrepareFinalize):
             partial = _sum_slots_here(output.out[:rows], output.kind, here, dispatched.topk.weights)
         payload = partial.to(p.dtype).view(p.parallel.ep_size, self.max_tokens_per_rank, p.hidden_size)
         combined = self._a2a.combine(payload, self.max_tokens_per_rank)
-        return combined[: dispatched.route].clone()
+        return add_shared(combined[: dispatched.route].clone(), shared_output)
 
     def _dummy_token(self, payloads: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         dummy = {name: t.new_zeros(1, t.shape[-1]) for name, t in payloads.items()}

@@ -49,7 +49,12 @@ class LocalPrepareFinalize(PrepareFinalize):
     ) -> Dispatched:
         return Dispatched(ActivationFormat.STANDARD, quantize_activations(hidden, quantize_to), topk)
 
-    def finalize(self, output: ExpertsOutput, dispatched: Dispatched, topk: TopK) -> torch.Tensor:
-        if output.kind is OutputKind.REDUCED:
-            return output.out.to(self.problem.dtype, copy=True)
-        return combine_slots(output.out, topk, output.kind, self.problem.dtype)
+    def finalize(
+        self, output: ExpertsOutput, dispatched: Dispatched, topk: TopK, shared_output: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        dtype = self.problem.dtype
+        if output.kind is not OutputKind.REDUCED:
+            return combine_slots(output.out, topk, output.kind, dtype, shared_output)
+        if shared_output is None:
+            return output.out.to(dtype, copy=True)
+        return torch.add(output.out, shared_output).to(dtype)  # one pass when out is already in dtype

@@ -114,11 +114,14 @@ class ConfigTable:
         return bool(self.configs)
 
     def lookup(self, num_tokens: int) -> LaunchConfig:
-        """The config of the bucket nearest to ``num_tokens`` (log scale), else the default."""
-        if not self.configs:
+        """The config of the bucket nearest to ``num_tokens`` (log scale; ties go to the larger
+        bucket), else the default. A ``direct`` (unsorted) config is only taken up to twice its
+        bucket's M: past that, repeated experts would re-read their weights once per slot."""
+        usable = [(m, c) for m, c in self.configs if not c.direct or num_tokens <= 2 * m]
+        if not usable:
             return default_config(self.key, num_tokens)
         target = math.log2(max(num_tokens, 1))
-        return min(self.configs, key=lambda mc: abs(math.log2(mc[0]) - target))[1]
+        return min(usable, key=lambda mc: (abs(math.log2(mc[0]) - target), -mc[0]))[1]
 
 
 def default_config(key: ConfigKey, num_tokens: int) -> LaunchConfig:
