@@ -304,13 +304,21 @@ def write_json(path: str, ceilings: Ceilings, records: list[Record], machine: st
 
 
 def save_profile(path: str, ceilings: Ceilings, records: list[Record]) -> None:
+    """Writes the measurements in the oracle's profile format (moe/oracle/profile.py), merged into
+    ``path`` if it exists; the oracle reads it through ``MOE_PROFILE=path`` or a policy's ``profiles``."""
+    from moe.oracle.profile import ProfileEntry
+    from moe.oracle.profile import save_profile as write_profile
+    from moe.platform import Platform
+    from moe.presets import load_preset
+
+    platform = Platform.detect()
     entries = [
-        {"experts": r.experts, "quant": r.quant, "preset": r.preset, "tokens": r.tokens, "us": r.us,
-         "roofline_fraction": r.roofline_fraction}
+        ProfileEntry.measurement(r.experts, platform, load_preset(r.preset).problem(quant=r.quant, max_tokens=r.tokens),
+                                 r.tokens, r.us, preset=r.preset,
+                                 note=f"{r.roofline_fraction:.0%} of roofline on {ceilings.device}")
         for r in records
     ]
-    data = {"device": ceilings.device, "ceilings": asdict(ceilings), "entries": entries}
-    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    write_profile(path, entries, description=f"measured by python -m moe bench on {ceilings.device}")
 
 
 def plot(path: str, records: list[Record]) -> None:

@@ -73,7 +73,21 @@ def build_parser() -> argparse.ArgumentParser:
     _demo_parser(sub)
     add_plan_parser(sub)
     _backends_parser(sub)
+    _add(sub, "bench", "time experts backends on a GPU against the roofline (and torch_grouped)",
+         "moe.bench", "add_bench_arguments", "bench_command")
+    _add(sub, "tune", "search Triton launch configurations and write them as data files",
+         "moe.tune", "add_tune_arguments", "tune_command")
     return parser
+
+
+def _add(sub, name: str, help: str, module: str, add_arguments: str, command: str) -> None:
+    """A subcommand whose arguments and body live in ``module`` (imported when the parser is built)."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    p = sub.add_parser(name, help=help, description=help)
+    getattr(mod, add_arguments)(p)
+    p.set_defaults(func=getattr(mod, command))
 
 
 def main(argv: list[str] | None = None) -> int:

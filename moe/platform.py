@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 
@@ -156,13 +157,20 @@ def _installed_versions() -> tuple[tuple[str, str], ...]:
     return tuple(sorted(found))
 
 
-def _probe_features(libraries: frozenset[str]) -> frozenset[str]:
-    """Imports FlashInfer's MoE modules (no JIT, no GPU work) and records which entry points exist."""
-    if "flashinfer" not in libraries or importlib.util.find_spec("moe.experts._flashinfer") is None:
-        return frozenset()
-    from moe.experts._flashinfer.library import flashinfer_moe_features
+TRITON_INTERPRETER = "triton.interpreter"  # Triton runs kernels on the CPU (TRITON_INTERPRET=1): tests only
 
-    return frozenset(f"flashinfer.{f}" for f in flashinfer_moe_features())
+
+def _probe_features(libraries: frozenset[str]) -> frozenset[str]:
+    """Imports FlashInfer's MoE modules (no JIT, no GPU work) and records which entry points exist;
+    notes whether Triton's CPU interpreter is on."""
+    features = set()
+    if "triton" in libraries and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        features.add(TRITON_INTERPRETER)
+    if "flashinfer" in libraries and importlib.util.find_spec("moe.experts._flashinfer") is not None:
+        from moe.experts._flashinfer.library import flashinfer_moe_features
+
+        features |= {f"flashinfer.{f}" for f in flashinfer_moe_features()}
+    return frozenset(features)
 
 
 @functools.lru_cache(maxsize=None)

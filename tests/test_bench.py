@@ -41,9 +41,13 @@ def test_json_and_profile_files(tmp_path):
     bench.write_json(tmp_path / "r.json", ceilings, records, "nvidia-h200")
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["machine"] == "nvidia-h200" and data["records"][0]["us"] == 30.0
-    bench.save_profile(tmp_path / "p.json", ceilings, records)
-    entry = json.loads((tmp_path / "p.json").read_text())["entries"][0]
-    assert entry["experts"] == "triton" and entry["roofline_fraction"] == pytest.approx(1 / 3)
+    bench.save_profile(tmp_path / "p.yaml", ceilings, records)
+    from moe.oracle.profile import load_profile
+    from moe.platform import Platform
+
+    (entry,) = load_profile(tmp_path / "p.yaml").entries  # the oracle reads what the bench wrote
+    assert (entry.backend, entry.tokens, entry.measured_us) == ("triton", 1, 30.0)
+    assert entry.platform == Platform.detect().kind and entry.quant == "bf16"
 
 
 def test_plot_writes_a_png(tmp_path):

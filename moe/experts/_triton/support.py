@@ -6,11 +6,10 @@ import torch
 
 from moe.activation import ActivationKind
 from moe.errors import MoEConfigError
-from moe.experts._triton import interpreting
 from moe.experts._triton.config import ConfigKey
 from moe.experts.base import ALL_DTYPES
 from moe.experts._triton.rows import RowValidity, fp8_scale_shape, quantize_fp8_rows
-from moe.platform import Platform
+from moe.platform import TRITON_INTERPRETER, Platform
 from moe.problem import MoEProblem
 from moe.quant import QuantFormat, QuantizedTensor
 
@@ -25,16 +24,21 @@ QUANT_PAIRS = frozenset(
     }
 )
 ACTIVATIONS = frozenset(ActivationKind)
-# CUDA; the CPU too under TRITON_INTERPRET=1 (read at import: it decides how triton itself runs)
-DEVICES = frozenset({"cuda", "cpu"}) if interpreting() else frozenset({"cuda"})
-# the interpreter computes bfloat16 wrongly (triton 3.9: errors of 1e11 on a plain matmul)
-DTYPES = frozenset({torch.float16, torch.float32}) if interpreting() else ALL_DTYPES
+# CUDA; the CPU only in Triton's interpreter, which the platform reports (extra_reasons says so)
+DEVICES = frozenset({"cuda", "cpu"})
+DTYPES = ALL_DTYPES
 FP8_MIN_CAPABILITY = (8, 9)  # e4m3 tensor-core instructions (Ada, Hopper and newer)
 
 
 def extra_reasons(problem: MoEProblem, platform: Platform | None) -> list[str]:
-    """What the capability data cannot say: fp8 needs SM89+."""
+    """What the capability data cannot say: fp8 needs SM89+; on a CPU, the interpreter and its dtypes."""
     reasons = []
+    if platform is not None and platform.device == "cpu":
+        if not platform.has_feature(TRITON_INTERPRETER):
+            reasons.append("runs on a CPU only in Triton's interpreter (TRITON_INTERPRET=1), which is for tests")
+        elif problem.dtype == torch.bfloat16:
+            # triton 3.9's interpreter: errors of 1e11 on a plain bfloat16 matmul
+            reasons.append("Triton's CPU interpreter computes bfloat16 wrongly; use float16 or float32 on a CPU")
     fp8 = problem.quant.weight in (_F.FP8_TENSOR, _F.FP8_ROW, _F.FP8_BLOCK)
     if fp8 and platform is not None and platform.is_cuda and platform.capability is not None:
         if not platform.capability_at_least(*FP8_MIN_CAPABILITY):
