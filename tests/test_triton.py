@@ -5,8 +5,10 @@ are tiny so the whole module runs in well under a minute.
 """
 
 import os
+import shutil
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates any kernel
+if not shutil.which("nvidia-smi"):  # a CPU machine: the interpreter, before triton decorates any kernel
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
@@ -15,6 +17,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    pytest.skip("CPU-interpreter tests (TRITON_INTERPRET=1); on a GPU, tests/gpu/test_triton_gpu.py runs",
+                allow_module_level=True)
 
 from moe.experts._triton import config as cfg  # noqa: E402
 from moe.experts._triton.align import align_block_size, align_block_size_reference  # noqa: E402
