@@ -294,3 +294,14 @@ def test_layer_force_and_env(monkeypatch):
     assert FusedMoE(4, 2, 64, 32, quant="fp8", experts="reference").kernel.experts.name == "reference"
     with pytest.raises(MoEConfigError, match="unknown experts backend 'nope'"):
         FusedMoE(4, 2, 64, 32, experts="nope")
+
+
+def test_shipped_h200_measurements_set_the_gpt_oss_crossover():
+    """benchmarks/results -> moe/oracle/profiles/measured-h200.yaml: on the GPT-OSS-20B shape in bf16,
+    Triton measured faster up to M=64 and FlashInfer CUTLASS from M=256 (1.27x there); the plan follows."""
+    problem = load_preset("gpt-oss-20b").problem(quant="bf16", max_tokens=4096)
+    result = plan(problem, Platform.preset("h200"), Policy(buckets=(1, 16, 64, 256, 1024, 4096)))
+    chosen = {b.high: b.chosen.pair.experts for b in result.buckets}
+    assert chosen == {1: "triton", 16: "triton", 64: "triton", 256: "flashinfer_cutlass",
+                      1024: "flashinfer_cutlass", 4096: "flashinfer_cutlass"}
+    assert all(b.chosen.experts.basis.startswith("measured at this shape") for b in result.buckets)

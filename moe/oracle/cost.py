@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from moe.formats import ActivationFormat
-from moe.oracle.profile import DEFAULT_EFFICIENCY, DEFAULT_OVERHEAD_US, Profile, ProfileEntry
+from moe.oracle.profile import DEFAULT_EFFICIENCY, DEFAULT_OVERHEAD_US, Profile, ProfileEntry, ProfileShape
 from moe.platform import Platform
 from moe.problem import MoEProblem
 from moe.quant import QuantFormat
@@ -129,7 +129,7 @@ def efficiency_at(points: tuple[ProfileEntry, ...], platform: Platform, tokens: 
 
 def _estimate(name: str, roofline_us: float, problem: MoEProblem, platform: Platform, tokens: int,
               profile: Profile) -> Estimate:
-    points, basis = profile.points(name, platform, problem.quant_name)
+    points, basis = profile.points(name, platform, problem.quant_name, ProfileShape.of(problem))
     efficiency, overhead = efficiency_at(points, platform, tokens)
     return Estimate(overhead + roofline_us / efficiency, roofline_us, efficiency, overhead, basis)
 

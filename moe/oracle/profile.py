@@ -81,6 +81,11 @@ class ProfileShape:
                                  intermediate_size=self.intermediate_size, activation=self.activation,
                                  quant=scheme, max_tokens=max_tokens)
 
+    def same_layer(self, other: "ProfileShape") -> bool:
+        """Same E, k, H, I and activation (where it was read from does not matter)."""
+        fields = ("num_experts", "top_k", "hidden_size", "intermediate_size", "activation")
+        return all(getattr(self, f) == getattr(other, f) for f in fields)
+
     def to_yaml(self) -> dict[str, Any]:
         if self.preset is not None:
             return {"preset": self.preset}
@@ -138,12 +143,19 @@ class Profile:
     def merged(self, other: "Profile") -> "Profile":
         return Profile(self.entries + other.entries)
 
-    def points(self, backend: str, platform: Platform, quant: str) -> tuple[tuple[ProfileEntry, ...], str]:
-        """The points to use and a description of where they come from (see the module docstring)."""
+    def points(self, backend: str, platform: Platform, quant: str,
+               shape: ProfileShape | None = None) -> tuple[tuple[ProfileEntry, ...], str]:
+        """The points to use and a description of where they come from (see the module docstring).
+
+        Measurements of the problem's own ``shape`` come first; measurements of other shapes are used
+        as efficiencies against their own rooflines.
+        """
         mine = [e for e in self.entries if e.backend == backend]
         names = {platform.kind, platform.name}
+        measured = [e for e in mine if e.measured and e.platform in names and e.quant == quant]
         levels = [
-            ("measured", [e for e in mine if e.measured and e.platform in names and e.quant == quant]),
+            ("measured at this shape", [e for e in measured if shape is not None and e.shape.same_layer(shape)]),
+            ("measured at other shapes", measured),
             (f"{platform.kind}, {quant}", _estimates(mine, names, {quant})),
             (f"{platform.kind}, any scheme", _estimates(mine, names, {ANY})),
             (f"any platform, {quant}", _estimates(mine, {ANY}, {quant})),
