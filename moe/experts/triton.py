@@ -23,10 +23,7 @@ from moe.experts._triton.config import BLOCK_MS, ConfigTable
 from moe.experts._triton.gemm import DirectRows, SortedRows, grouped_gemm
 from moe.experts._triton.rows import RowValidity, combine_slots
 from moe.experts._triton.support import (
-    ACTIVATIONS,
-    DEVICES,
-    DTYPES,
-    QUANT_PAIRS,
+    COMMON_CAPABILITIES,
     check_input,
     config_key,
     extra_reasons,
@@ -49,16 +46,9 @@ class TritonExperts(Experts):
     name = "triton"
     capabilities = Capabilities(
         formats=frozenset({ActivationFormat.STANDARD}),
-        quant=QUANT_PAIRS,
-        activations=ACTIVATIONS,
         output=OutputKind.REDUCED,
-        dtypes=DTYPES,
-        devices=DEVICES,
-        min_capability=(8, 0),
-        libraries=("triton",),
-        cuda_graph_safe=True,
-        deterministic=True,  # atomics only order rows inside a tile; each row's sums are fixed
         quantizes_input=True,  # fp8 activations are quantized here, on the GPU, without a sync
+        **COMMON_CAPABILITIES,
     )
 
     @classmethod

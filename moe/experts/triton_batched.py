@@ -13,10 +13,7 @@ from moe.experts._triton.config import ConfigTable
 from moe.experts._triton.gemm import BatchedRows, grouped_gemm
 from moe.experts._triton.rows import RowValidity
 from moe.experts._triton.support import (
-    ACTIVATIONS,
-    DEVICES,
-    DTYPES,
-    QUANT_PAIRS,
+    COMMON_CAPABILITIES,
     check_input,
     config_key,
     extra_reasons,
@@ -40,16 +37,9 @@ class TritonBatchedExperts(Experts):
     name = "triton_batched"
     capabilities = Capabilities(
         formats=frozenset({ActivationFormat.BATCHED}),
-        quant=QUANT_PAIRS,
-        activations=ACTIVATIONS,
         output=OutputKind.PER_SLOT,
-        dtypes=DTYPES,
-        devices=DEVICES,
-        min_capability=(8, 0),
-        libraries=("triton",),
-        cuda_graph_safe=True,
-        deterministic=True,
-        quantizes_input=False,
+        quantizes_input=False,  # the batched prepare quantizes rows as it scatters them
+        **COMMON_CAPABILITIES,
     )
 
     @classmethod

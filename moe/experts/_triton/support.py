@@ -27,6 +27,17 @@ ACTIVATIONS = frozenset(ActivationKind)
 # CUDA; the CPU only in Triton's interpreter, which the platform reports (extra_reasons says so)
 DEVICES = frozenset({"cuda", "cpu"})
 DTYPES = ALL_DTYPES
+# what both Triton backends declare alike; each adds its format, output kind and who quantizes
+COMMON_CAPABILITIES = dict(
+    quant=QUANT_PAIRS,
+    activations=ACTIVATIONS,
+    dtypes=DTYPES,
+    devices=DEVICES,
+    min_capability=(8, 0),
+    libraries=("triton",),
+    cuda_graph_safe=True,
+    deterministic=True,  # atomics only order rows inside a tile; each row's sums are fixed
+)
 FP8_MIN_CAPABILITY = (8, 9)  # e4m3 tensor-core instructions (Ada, Hopper and newer)
 
 
