@@ -132,6 +132,7 @@ class FusedMoE(torch.nn.Module):
         for kernel in self.kernels.values():
             prepared = kernel.experts.prepare_weights(weights)
             kernel.experts.warmup(prepared, self._buckets_of(kernel))
+            kernel.reserve(max(self._buckets_of(kernel)))  # the worst case, once, before any forward
             self._prepared[id(kernel)] = prepared
         self.weights = weights
 

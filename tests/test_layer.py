@@ -157,3 +157,13 @@ def test_non_gated_relu2_layer():
     weights = weights / weights.sum()
     expected = sum(w * (w2[e] @ torch.relu(w13[e] @ x[0]).square()) for w, e in zip(weights, ids))
     assert_close_moe(layer(x, logits)[0], expected, "fp32")
+
+
+def test_workspace_is_reserved_at_load_and_does_not_grow():
+    layer = FusedMoE(E, K, H, I, max_tokens=32)
+    layer.load_weights(w13=torch.randn(E, 2 * I, H) / 8, w2=torch.randn(E, H, I) / 6)
+    reserved = layer.kernel.workspace.reserved_bytes
+    assert reserved == layer.kernel.workspace_bytes(32) > 0
+    for m in (1, 7, 32):
+        layer(torch.randn(m, H).to(torch.bfloat16), torch.randn(m, E))
+    assert layer.kernel.workspace.reserved_bytes == reserved
