@@ -17,10 +17,12 @@ from moe.platform import Platform
 from moe.presets import load_preset
 
 RESULTS = Path(__file__).parent / "results"
-SOURCES = {  # file -> (list key, preset key or fixed preset)
+SOURCES = {  # file -> (list key, fixed preset or None to read each record's), in order
     "triton_profile_bf16_nvidia-h200.json": ("entries", None),
     "triton_profile_fp8_block_mxfp4_nvidia-h200.json": ("entries", None),
     "flashinfer_cutlass_gpt-oss-20b_h200.json": ("records", "gpt-oss-20b"),
+    # later files replace earlier measurements of the same backend, scheme, shape and M
+    "triton_mxfp4_nvidia-h200.json": ("records", None),  # after the MXFP4 scale-load rework
 }
 
 

@@ -32,7 +32,8 @@ from moe.experts._triton.rows import (  # noqa: E402
     quantize_fp8_rows,
     quantize_fp8_rows_reference,
 )
-from moe.experts._triton.weights import mxfp4_half_split  # noqa: E402
+from moe.experts._triton.gemm import BatchedRows, grouped_gemm  # noqa: E402
+from moe.experts._triton.weights import mxfp4_half_split, mxfp4_scale_words, to_operand  # noqa: E402
 from moe.experts.reference import ReferenceExperts  # noqa: E402
 from moe.experts.triton import TritonExperts  # noqa: E402
 from moe.experts.triton_batched import TritonBatchedExperts  # noqa: E402
@@ -41,6 +42,7 @@ from moe.platform import Platform  # noqa: E402
 from moe.prepare_finalize.batched import BatchedPrepareFinalize  # noqa: E402
 from moe.problem import MoEProblem, ParallelConfig  # noqa: E402
 from moe.quant import QuantFormat, QuantizedTensor, quantize  # noqa: E402
+from moe.quant.mx import dequantize_mxfp4  # noqa: E402
 from moe.router import TopK  # noqa: E402
 from moe.testing.tolerance import assert_close_moe, regime_for  # noqa: E402
 from moe.weights import ExpertWeights  # noqa: E402
@@ -242,6 +244,30 @@ def test_mxfp4_half_split_layout():
     # byte j of each group of 32 holds elements j (low nibble) and j + 16 (high nibble)
     assert torch.equal(split.view(2, 3, 2, 16) & 0x0F, groups[..., :16])
     assert torch.equal(split.view(2, 3, 2, 16) >> 4, groups[..., 16:])
+
+
+def test_mxfp4_scale_words_layout():
+    scale = torch.randint(0, 256, (2, 3, 5), dtype=torch.uint8)  # 5 groups: 2 words, the last padded
+    words = mxfp4_scale_words(scale)
+    assert words.dtype == torch.int32 and words.shape == (2, 3, 2) and words.stride() == (6, 1, 3)
+    as_bytes = torch.stack([(words >> (8 * b)) & 0xFF for b in range(4)], dim=-1).flatten(-2)
+    assert torch.equal(as_bytes[..., :5], scale.int()) and not as_bytes[..., 5:].any()
+
+
+@pytest.mark.parametrize("k,block_k", [(96, 64), (128, 64), (160, 128), (256, 256)])
+def test_mxfp4_gemm_dequantizes_exactly(k, block_k):
+    """One-hot rows of A read the kernel's dequantized weights back (float32: no rounding anywhere):
+    bit for bit the reference dequantization, with K and N tails, every scale byte in [1, 240] (the
+    kernel clamps above) and every byte position of the scale words."""
+    e, n = 2, 40
+    q = QuantizedTensor(data=torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8),
+                        scale=torch.randint(1, 241, (e, n, k // 32), dtype=torch.uint8),
+                        fmt="mxfp4", role="weight")
+    a = torch.eye(k).repeat(e, 1)  # expert j's rows j * k .. j * k + k - 1
+    out = torch.empty(e * k, n)
+    rows = BatchedRows(torch.full((e,), k, dtype=torch.int32), k)
+    grouped_gemm(a, None, to_operand(q, None), out, rows, None, 16, cfg.TileConfig(32, block_k))
+    assert torch.equal(out.view(e, k, n), dequantize_mxfp4(q.data, q.scale).transpose(1, 2))
 
 
 # --- declarations and configs ---------------------------------------------------------------------

@@ -8,6 +8,9 @@ import torch
 
 from moe.experts._triton.align import align_block_size, align_block_size_reference
 from moe.experts._triton.align import workspace_buffers as align_buffers
+from moe.experts._triton.config import TileConfig
+from moe.experts._triton.gemm import BatchedRows, grouped_gemm
+from moe.experts._triton.weights import to_operand
 from moe.experts.reference import ReferenceExperts
 from moe.experts.triton import TritonExperts
 from moe.experts.triton_batched import TritonBatchedExperts
@@ -16,6 +19,7 @@ from moe.platform import Platform
 from moe.prepare_finalize.batched import BatchedPrepareFinalize
 from moe.problem import MoEProblem, ParallelConfig
 from moe.quant import QuantFormat, QuantizedTensor, quantize
+from moe.quant.mx import dequantize_mxfp4
 from moe.router import TopK
 from moe.testing.tolerance import assert_close_moe, regime_for
 from moe.weights import ExpertWeights
@@ -89,6 +93,22 @@ def test_gpt_oss_like_sizes_and_expert_map():
     expert_map = tuple(i // 2 if i % 2 == 0 else -1 for i in range(8))
     check(problem("mxfp4", "swiglu_oai", E=8, k=4, H=2880, I=2880, bias=True, expert_map=expert_map), 65)
     check(problem("bf16", E=8, k=4, H=2880, I=2880, expert_map=expert_map), 65)
+
+
+@pytest.mark.parametrize("block_m,block_k", [(16, 64), (64, 128), (16, 256)])
+def test_mxfp4_gemm_dequantizes_exactly(block_m, block_k):
+    """One-hot bf16 rows of A read the kernel's dequantized weights back: bit for bit the reference
+    dequantization (K = 2880: a K tail for 128 and 256; N = 72: an N tail; mma v2 and wgmma tiles)."""
+    e, n, k = 2, 72, 2880
+    q = QuantizedTensor(data=torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda"),
+                        scale=torch.randint(100, 150, (e, n, k // 32), dtype=torch.uint8, device="cuda"),
+                        fmt="mxfp4", role="weight")
+    a = torch.eye(k, device="cuda", dtype=torch.bfloat16).repeat(e, 1)
+    out = torch.empty(e * k, n, device="cuda", dtype=torch.bfloat16)
+    rows = BatchedRows(torch.full((e,), k, dtype=torch.int32, device="cuda"), k)
+    grouped_gemm(a, None, to_operand(q, None), out, rows, None, block_m, TileConfig(64, block_k))
+    want = dequantize_mxfp4(q.data, q.scale).transpose(1, 2).to(torch.bfloat16)
+    assert torch.equal(out.view(e, k, n), want)
 
 
 @pytest.mark.parametrize("quant", ["bf16", "fp8_token", "mxfp4"])

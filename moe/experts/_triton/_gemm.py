@@ -57,19 +57,85 @@ def _activate(gate, up, ACTIVATION: tl.constexpr, alpha, beta, limit):
 
 
 @triton.jit
-def _e2m1_tile(nibbles, scale_bytes, dtype: tl.constexpr):
-    """e2m1 codes (sign bit 3) times 2**(byte - 127), as ``dtype``.
+def _e8m0_factor(scale_bytes):
+    """2**(byte - 127 + 14) as float32: the e8m0 scale, times 2**14 to undo `_e2m1_scaled`'s 2**-14.
+    Bytes above 240 (scales over 2**113) would overflow and are clamped."""
+    exponent = tl.minimum(scale_bytes, 240) + 14
+    return (exponent << 23).to(tl.float32, bitcast=True)
 
-    The three magnitude bits go to bits 9..11 of a float16 (exponent field bits 10..11, top
-    mantissa bit 9) and the sign to bit 15; that float16 is the e2m1 value times 2**-14 for every
-    code, subnormals included. Bytes above 240 (scales over 2**113) would overflow and are clamped.
-    """
-    codes = nibbles.to(tl.int32)
-    bits = ((codes & 8) << 12) | ((codes & 7) << 9)
+
+@triton.jit
+def _e2m1_scaled(bits, factor, dtype: tl.constexpr):
+    """float16 bit patterns of e2m1 values times 2**-14 (see `_mxfp4_half_tiles`), times ``factor``,
+    as ``dtype``: exact in float32, so the result is the dequantized weight rounded once."""
     value = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    exponent = tl.minimum(scale_bytes.to(tl.int32), 240) + 14  # 2**(b - 127 + 14) as fp32 bits
-    factor = (exponent << 23).to(tl.float32, bitcast=True)
     return (value * factor).to(dtype)
+
+
+@triton.jit
+def _mxfp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, dtype: tl.constexpr, EVEN_K: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One K step of MXFP4 weights, dequantized: the half-tiles ``[BLOCK_K/2, BLOCK_N]`` of the low
+    and the high nibbles (elements j and j + 16 of each group of 32; weights.py's layout).
+
+    ``w_ptrs [G, 16, BLOCK_N]`` address the packed bytes (G = BLOCK_K / 32 groups, 16 contiguous
+    bytes each: vectorized loads), ``s_ptrs [G, 1, BLOCK_N]`` each group's scale word, ``shifts
+    [G, 1, 1]`` the group's byte in it, ``group_ok [G, 1, 1]`` the groups inside K. The scale factor
+    is computed once per (group, row) and broadcast over the group's 16 bytes in registers.
+    A code's three magnitude bits go to bits 9..11 of a float16 (exponent bits 10..11, top mantissa
+    bit 9) and its sign to bit 15: that float16 is the e2m1 value times 2**-14, subnormals included.
+    """
+    if EVEN_K:
+        packed = tl.load(w_ptrs)
+        words = tl.load(s_ptrs)
+    else:
+        packed = tl.load(w_ptrs, mask=group_ok, other=0)
+        words = tl.load(s_ptrs, mask=group_ok, other=0)
+    factor = _e8m0_factor((words >> shifts) & 255)
+    packed = packed.to(tl.int32)
+    low = _e2m1_scaled(((packed & 0x08) << 12) | ((packed & 0x07) << 9), factor, dtype)
+    high = _e2m1_scaled(((packed & 0x80) << 8) | ((packed & 0x70) << 5), factor, dtype)
+    return tl.reshape(low, (BLOCK_K // 2, BLOCK_N)), tl.reshape(high, (BLOCK_K // 2, BLOCK_N))
+
+
+@triton.jit
+def _mxfp4_loop(acc, acc_up, a_ptr, a_rows, stride_am, stride_ak, w_base, stride_wn, stride_wk,
+                ws_base, stride_wsn, stride_wsk, offs_n, N, K,
+                GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The K loop with MXFP4 weights: each step splits into the low and high half-tiles, whose A
+    columns are runs of 16 (k_low and k_low + 16); K is a multiple of 32 (whole groups)."""
+    offs_b = tl.arange(0, BLOCK_K // 2)
+    k_low = (offs_b // 16) * 32 + offs_b % 16
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + k_low[None, :] * stride_ak
+    g3 = tl.arange(0, BLOCK_K // 32)[:, None, None]
+    n3 = offs_n[None, None, :]
+    w_ptrs = w_base + n3 * stride_wn + (g3 * 16 + tl.arange(0, 16)[None, :, None]) * stride_wk
+    s_base = ws_base + n3 * stride_wsn
+    for kk in range(0, cdiv_(K, BLOCK_K)):
+        group = kk * (BLOCK_K // 32) + g3  # [G, 1, 1]: word group // 4, byte group % 4
+        groups_left = K // 32 - kk * (BLOCK_K // 32)
+        if EVEN_K:
+            a_lo = tl.load(a_ptrs)
+            a_hi = tl.load(a_ptrs + 16 * stride_ak)
+        else:
+            a_ok = (offs_b // 16)[None, :] < groups_left
+            a_lo = tl.load(a_ptrs, mask=a_ok, other=0.0)
+            a_hi = tl.load(a_ptrs + 16 * stride_ak, mask=a_ok, other=0.0)
+        s_ptrs = s_base + (group // 4) * stride_wsk
+        shifts = (group % 4) * 8
+        w_lo, w_hi = _mxfp4_half_tiles(w_ptrs, s_ptrs, shifts, g3 < groups_left, a_lo.dtype, EVEN_K,
+                                       BLOCK_K, BLOCK_N)
+        acc = _dot(a_lo, w_lo, acc, IEEE)
+        acc = _dot(a_hi, w_hi, acc, IEEE)
+        if GATED:  # the up rows: N further down, in the data and in the scale words alike
+            w_lo, w_hi = _mxfp4_half_tiles(w_ptrs + N * stride_wn, s_ptrs + N * stride_wsn, shifts,
+                                           g3 < groups_left, a_lo.dtype, EVEN_K, BLOCK_K, BLOCK_N)
+            acc_up = _dot(a_lo, w_lo, acc_up, IEEE)
+            acc_up = _dot(a_hi, w_hi, acc_up, IEEE)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += (BLOCK_K // 2) * stride_wk
+    return acc, acc_up
 
 
 @triton.jit
@@ -147,28 +213,9 @@ def moe_gemm_kernel(
     acc = tl.full([BLOCK_M, BLOCK_N], 0, tl.float32)
     acc_up = tl.full([BLOCK_M, BLOCK_N], 0, tl.float32)
     if QUANT == _MXFP4:
-        # weights repacked (weights.py): byte j of each 32-element group holds elements j and j+16
-        offs_b = tl.arange(0, BLOCK_K // 2)
-        k_low = (offs_b // 16) * 32 + offs_b % 16
-        a_ptrs = a_ptr + a_rows[:, None] * stride_am + k_low[None, :] * stride_ak
-        w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_b[:, None] * stride_wk
-        s_ptrs = ws_base + offs_n[None, :] * stride_wsn + (offs_b // 16)[:, None] * stride_wsk
-        for kk in range(0, cdiv_(K, BLOCK_K)):
-            k_left = K - kk * BLOCK_K
-            a_lo = tl.load(a_ptrs, mask=k_low[None, :] < k_left, other=0.0)
-            a_hi = tl.load(a_ptrs + 16 * stride_ak, mask=k_low[None, :] < k_left, other=0.0)
-            packed = tl.load(w_ptrs, mask=k_low[:, None] < k_left, other=0)
-            scale = tl.load(s_ptrs, mask=k_low[:, None] < k_left, other=0)
-            acc = _dot(a_lo, _e2m1_tile(packed & 15, scale, a_lo.dtype), acc, IEEE)
-            acc = _dot(a_hi, _e2m1_tile(packed >> 4, scale, a_lo.dtype), acc, IEEE)
-            if GATED:
-                packed = tl.load(w_ptrs + N * stride_wn, mask=k_low[:, None] < k_left, other=0)
-                scale = tl.load(s_ptrs + N * stride_wsn, mask=k_low[:, None] < k_left, other=0)
-                acc_up = _dot(a_lo, _e2m1_tile(packed & 15, scale, a_lo.dtype), acc_up, IEEE)
-                acc_up = _dot(a_hi, _e2m1_tile(packed >> 4, scale, a_lo.dtype), acc_up, IEEE)
-            a_ptrs += BLOCK_K * stride_ak
-            w_ptrs += (BLOCK_K // 2) * stride_wk
-            s_ptrs += (BLOCK_K // 32) * stride_wsk
+        acc, acc_up = _mxfp4_loop(acc, acc_up, a_ptr, a_rows, stride_am, stride_ak, w_base, stride_wn,
+                                  stride_wk, ws_base, stride_wsn, stride_wsk, offs_n, N, K,
+                                  GATED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak

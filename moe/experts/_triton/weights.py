@@ -1,13 +1,20 @@
 """`TritonWeights`: canonical `ExpertWeights` converted once, at load, for the Triton kernels.
 
-Only MXFP4 changes layout: inside each group of 32 elements along K, byte j holds elements j (low
-nibble) and j + 16 (high nibble), instead of the canonical 2j and 2j + 1. A K-tile then splits into
-two half-tiles whose A columns are contiguous runs of 16, so the kernel needs no register shuffle
-to interleave nibbles. Scales, biases and the other formats keep the canonical layout.
+Only MXFP4 changes layout (biases and the other formats keep the canonical one):
+
+- elements: inside each group of 32 along K, byte j holds elements j (low nibble) and j + 16 (high
+  nibble), instead of the canonical 2j and 2j + 1. A K-tile then splits into two half-tiles whose A
+  columns are contiguous runs of 16, so the kernel needs no register shuffle to interleave nibbles.
+- scales: the e8m0 bytes of groups 4w .. 4w + 3 of a row form one little-endian int32 "word" w
+  (missing groups of the last word are 0), stored word-major: ``[E, W, N]`` with W = ceil(K / 128),
+  so one K step reads, for a tile of rows, one contiguous run of words (4 bytes per row and thread:
+  wide enough for Triton's software pipeline, which skips loads under 4 bytes per thread). The
+  canonical ``[E, N, K/32]`` bytes made every weight element load its own scale byte, unpipelined.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +31,9 @@ class WeightOperand:
     """One GEMM's weights as the kernel reads them."""
 
     data: torch.Tensor  # [E, N, K] (MXFP4: uint8 [E, N, K/2] in the half-split layout above)
-    scale: torch.Tensor | None  # canonical scale layout of the format; None when dense
+    # canonical scale layout of the format; None when dense. MXFP4: int32 words [E, N, W] (above),
+    # a transposed view of a contiguous [E, W, N] tensor (strides W*N, 1, N)
+    scale: torch.Tensor | None
     bias: torch.Tensor | None  # fp32 [E, N]
     fmt: QuantFormat
 
@@ -50,11 +59,21 @@ def mxfp4_half_split(packed: torch.Tensor) -> torch.Tensor:
     return split.flatten(-2).contiguous()
 
 
+def mxfp4_scale_words(scale: torch.Tensor) -> torch.Tensor:
+    """e8m0 bytes ``[E, N, K/32]`` -> int32 words ``[E, N, W]``, word w of row n holding groups
+    4w .. 4w + 3 (byte g % 4 = group g), as a view of a contiguous word-major ``[E, W, N]`` tensor."""
+    groups = scale.shape[-1]
+    padded = torch.zeros(*scale.shape[:-1], 4 * -(-groups // 4), dtype=torch.uint8, device=scale.device)
+    padded[..., :groups] = scale
+    assert sys.byteorder == "little"  # the kernel reads byte g % 4 of a word at bits 8 * (g % 4)
+    words = padded.view(torch.int32)  # [E, N, W]
+    return words.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
 def to_operand(q, bias: torch.Tensor | None) -> WeightOperand:
-    data = q.data
+    data, scale = q.data, None if q.scale is None else q.scale.contiguous()
     if q.fmt is QuantFormat.MXFP4:
-        data = mxfp4_half_split(data)
-    scale = None if q.scale is None else q.scale.contiguous()
+        data, scale = mxfp4_half_split(data), mxfp4_scale_words(scale)
     bias = None if bias is None else bias.float().contiguous()
     return WeightOperand(data.contiguous(), scale, bias, q.fmt)
 
