@@ -15,9 +15,9 @@ import torch
 
 from moe.errors import MoEConfigError
 from moe.experts.base import Experts
-from moe.formats import ActivationFormat, OutputKind
+from moe.formats import ActivationFormat, Dispatched, OutputKind
 from moe.prepare_finalize.base import PrepareFinalize
-from moe.quant import QuantFormat
+from moe.quant import QuantFormat, QuantizedTensor
 from moe.router import TopK
 from moe.workspace import Workspace, WorkspaceManager, WorkspaceShapes
 
@@ -102,12 +102,8 @@ class ModularKernel:
         ``validate`` also checks that every expert id is in range, which reads the ids on the host;
         pass False when the ids come from a Router (in range by construction) or inside a CUDA graph.
         """
-        self._check_inputs(hidden, topk, validate)
-        if shared_output is not None and (shared_output.shape != hidden.shape or shared_output.dtype != hidden.dtype):
-            raise MoEConfigError(
-                f"shared_output must match hidden: [{hidden.shape[0]}, {hidden.shape[1]}] {hidden.dtype} "
-                f"(got {list(shared_output.shape)} {shared_output.dtype})"
-            )
+        self._check_hidden(hidden, shared_output)
+        self._check_topk(hidden, topk, validate)
         shapes = self.workspace_shapes(hidden.shape[0])
         views = self.workspace.take(shapes, caller=repr(self))
         pf_space, experts_space = _split(views, _PREPARE), _split(views, _EXPERTS)
@@ -117,7 +113,40 @@ class ModularKernel:
 
     __call__ = forward
 
-    def _check_inputs(self, hidden: torch.Tensor, topk: TopK, validate: bool) -> None:
+    def routes_in_kernel(self, router: Router) -> bool:
+        """True when the experts compute ``router``'s routing themselves from the logits: one rank,
+        standard format, reduced output -- then ``forward_logits`` skips the Router and prepare."""
+        cap = self.experts.capabilities
+        return (
+            router.routing in cap.routes_from_logits
+            and self.prepare_finalize.format is ActivationFormat.STANDARD
+            and not self.problem.parallel.enabled
+            and cap.output is OutputKind.REDUCED
+        )
+
+    def forward_logits(
+        self, hidden: torch.Tensor, router_logits: torch.Tensor, router: Router, weights: Any,
+        *, shared_output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Like ``forward(hidden, router(router_logits), weights)``, with the routing fused into the
+        experts' kernel where ``routes_in_kernel(router)``; the Router runs here otherwise."""
+        if not self.routes_in_kernel(router):
+            return self.forward(hidden, router(router_logits), weights, validate=False, shared_output=shared_output)
+        self._check_hidden(hidden, shared_output)
+        if tuple(router_logits.shape) != (hidden.shape[0], self.problem.num_experts):
+            raise MoEConfigError(
+                f"router_logits must be [M, num_experts] = [{hidden.shape[0]}, {self.problem.num_experts}] "
+                f"(got {list(router_logits.shape)})"
+            )
+        views = self.workspace.take(self.workspace_shapes(hidden.shape[0]), caller=repr(self))
+        output = self.experts.apply_router_logits(hidden, router_logits, router, weights, _split(views, _EXPERTS))
+        # reduced output: finalize only copies it out (adding shared_output); it reads no routing
+        unrouted = Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=hidden, scale=None, fmt=QuantFormat.NONE),
+                              TopK(router_logits.new_zeros(hidden.shape[0], 0, dtype=torch.int32),
+                                   router_logits.new_zeros(hidden.shape[0], 0, dtype=torch.float32)))
+        return self.prepare_finalize.finalize(output, unrouted, unrouted.topk, shared_output)
+
+    def _check_hidden(self, hidden: torch.Tensor, shared_output: torch.Tensor | None) -> None:
         p = self.problem
         if hidden.dim() != 2 or hidden.shape[1] != p.hidden_size:
             raise MoEConfigError(f"hidden must be [M, {p.hidden_size}] (got {list(hidden.shape)})")
@@ -129,6 +158,14 @@ class ModularKernel:
             raise MoEConfigError(
                 f"M={hidden.shape[0]} tokens exceeds max_tokens={p.max_tokens} this kernel was built for"
             )
+        if shared_output is not None and (shared_output.shape != hidden.shape or shared_output.dtype != hidden.dtype):
+            raise MoEConfigError(
+                f"shared_output must match hidden: [{hidden.shape[0]}, {hidden.shape[1]}] {hidden.dtype} "
+                f"(got {list(shared_output.shape)} {shared_output.dtype})"
+            )
+
+    def _check_topk(self, hidden: torch.Tensor, topk: TopK, validate: bool) -> None:
+        p = self.problem
         if tuple(topk.ids.shape) != (hidden.shape[0], p.top_k):
             raise MoEConfigError(
                 f"topk.ids must be [M, top_k] = [{hidden.shape[0]}, {p.top_k}] (got {list(topk.ids.shape)})"

@@ -152,9 +152,12 @@ class FusedMoE(torch.nn.Module):
                 f"router_logits must be [M, num_experts] with M = hidden_states.shape[0] = "
                 f"{hidden_states.shape[0]} (got {list(router_logits.shape)})"
             )
-        topk = self.router(router_logits)
         kernel = self.kernel_for(hidden_states.shape[0] if hidden_states.dim() == 2 else 0)
-        return kernel.forward(hidden_states, topk, self._prepared[id(kernel)], validate=False, shared_output=shared_output)
+        prepared = self._prepared[id(kernel)]
+        if kernel.routes_in_kernel(self.router):  # e.g. trtllm-gen routes from the logits itself
+            return kernel.forward_logits(hidden_states, router_logits, self.router, prepared, shared_output=shared_output)
+        return kernel.forward(hidden_states, self.router(router_logits), prepared, validate=False,
+                              shared_output=shared_output)
 
 
 def _policy(policy: Policy | None, experts: str | None) -> Policy:

@@ -17,7 +17,7 @@ from moe import (
     WorkspaceError,
 )
 from moe.experts.base import Capabilities
-from moe.formats import ActivationFormat, OutputKind
+from moe.formats import ActivationFormat, ExpertsOutput, OutputKind
 from moe.quant import QuantFormat
 from tests.helpers import make_problem, random_inputs, random_weights
 
@@ -190,3 +190,48 @@ def test_routed_scaling_factor_reaches_the_output_linearly():
     scaled.load_weights(**dense)
     x, logits = torch.randn(5, 40), torch.randn(5, 6)
     torch.testing.assert_close(scaled(x, logits), 2.5 * plain(x, logits))
+
+
+class _RoutesFromLogits(ReferenceExperts):
+    """Reference math with the softmax routing done inside apply_router_logits, output reduced."""
+
+    name = "test_routes_from_logits"
+    capabilities = Capabilities(
+        formats=frozenset({ActivationFormat.STANDARD}),
+        quant=frozenset({(QuantFormat.NONE, QuantFormat.NONE)}),
+        activations=ReferenceExperts.capabilities.activations,
+        output=OutputKind.REDUCED,
+        routes_from_logits=frozenset({"softmax"}),
+    )
+    calls = 0
+
+    def apply(self, dispatched, weights, workspace):
+        per_slot = super().apply(dispatched, weights, workspace).out
+        return ExpertsOutput(OutputKind.REDUCED, (per_slot * dispatched.topk.weights.unsqueeze(-1)).sum(1))
+
+    def apply_router_logits(self, hidden, router_logits, router, weights, workspace):
+        type(self).calls += 1
+        from moe.formats import Dispatched
+        from moe.quant import QuantizedTensor
+
+        x = QuantizedTensor(data=hidden, scale=None, fmt=QuantFormat.NONE)
+        return self.apply(Dispatched(ActivationFormat.STANDARD, x, router(router_logits)), weights, workspace)
+
+
+def test_routing_fused_into_the_experts_matches_the_router_path():
+    from moe import Router
+
+    p = make_problem(dtype=torch.float32, quant="fp32")
+    kernel = ModularKernel(LocalPrepareFinalize(p), _RoutesFromLogits(p))
+    weights = kernel.experts.prepare_weights(random_weights(p))
+    hidden, logits = torch.randn(7, p.hidden_size), torch.randn(7, p.num_experts)
+    softmax, gpt_oss = Router("softmax", 6, 2), Router("gpt_oss", 6, 2)
+    assert kernel.routes_in_kernel(softmax) and not kernel.routes_in_kernel(gpt_oss)
+    before = _RoutesFromLogits.calls
+    fused = kernel.forward_logits(hidden, logits, softmax, weights)
+    assert _RoutesFromLogits.calls == before + 1
+    torch.testing.assert_close(fused, kernel.forward(hidden, softmax(logits), weights))
+    kernel.forward_logits(hidden, logits, gpt_oss, weights)  # not declared: the Router runs here instead
+    assert _RoutesFromLogits.calls == before + 1
+    with pytest.raises(MoEConfigError, match=r"router_logits must be \[M, num_experts\] = \[7, 6\]"):
+        kernel.forward_logits(hidden, logits[:, :5], softmax, weights)

@@ -50,6 +50,9 @@ class Capabilities:
     cuda_graph_safe: bool = False
     deterministic: bool = True
     quantizes_input: bool = False  # True: takes unquantized activations and quantizes them itself
+    # routings ("softmax", "gpt_oss", "deepseek_v3") the kernel can compute itself from the router
+    # logits; such a class implements apply_router_logits, and ModularKernel.forward_logits uses it
+    routes_from_logits: frozenset[str] = frozenset()
     implemented: bool = True  # False: a declaration only, never selected
 
 
@@ -143,6 +146,13 @@ class Experts(ABC):
     def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
         """Every buffer ``apply`` uses for inputs of at most ``dispatch`` -- an upper bound that does not
         depend on routing data; includes the output buffer and any scratch a library allocates."""
+
+    def apply_router_logits(
+        self, hidden: torch.Tensor, router_logits: torch.Tensor, router: Any, weights: Any, workspace: Workspace
+    ) -> ExpertsOutput:
+        """Routing fused into the kernel: ``hidden [M, H]`` unquantized, ``router_logits [M, E]``, the
+        layer's ``Router`` for its options. Only for the routings in ``capabilities.routes_from_logits``."""
+        raise NotImplementedError(f"{self.name} declares no routing it computes from logits")
 
     @abstractmethod
     def apply(self, dispatched: Dispatched, weights: Any, workspace: Workspace) -> ExpertsOutput:

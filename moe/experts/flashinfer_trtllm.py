@@ -28,7 +28,7 @@ contracts against the installed FlashInfer, capability checks on a simulated SM1
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -109,8 +109,8 @@ class FlashInferTrtllmExperts(Experts):
         bias=True,  # the fp4 pairs only; extra_checks says so
         cuda_graph_safe=True,
         deterministic=False,
+        routes_from_logits=frozenset(ROUTES_FROM_LOGITS),
     )
-    routes_from_logits: ClassVar[frozenset[str]] = frozenset(ROUTES_FROM_LOGITS)
 
     def __init__(self, problem: MoEProblem, *, intermediate_scale: float = 1.0):
         super().__init__(problem)
