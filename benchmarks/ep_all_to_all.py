@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -40,7 +38,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe.bench import build_weights  # noqa: E402
+from moe.bench import build_weights, median_ms  # noqa: E402
 from moe.kernel import ModularKernel  # noqa: E402
 from moe.parallel import shard_weights  # noqa: E402
 from moe.parallel_demo import launch_ranks  # noqa: E402
@@ -55,25 +53,6 @@ from moe.router import TopK  # noqa: E402
 from moe.testing import relative_error  # noqa: E402
 
 PREPARE_FINALIZE = ("all_to_all", "all_to_all_batched")
-
-
-def median_ms(fn, reps: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if not torch.cuda.is_available():  # CPU smoke runs only
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def rank_inputs(preset, problem, tokens: int, world: int, device: str):

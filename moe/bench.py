@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -70,11 +71,18 @@ class Record:
 # --- ceilings and timing ---------------------------------------------------------------------------
 
 
-def _median_ms(fn, reps: int, warmup: int = 3) -> float:
+def median_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn`` after ``warmup`` calls: CUDA events on a GPU, the wall clock
+    otherwise (CPU smoke runs of the benchmark scripts)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
+        if not torch.cuda.is_available():
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -87,17 +95,17 @@ def _median_ms(fn, reps: int, warmup: int = 3) -> float:
 def measure_ceilings(device: torch.device) -> Ceilings:
     src = torch.empty(2**30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    bandwidth = 2 * src.numel() / (_median_ms(lambda: dst.copy_(src), 20) * 1e-3)
+    bandwidth = 2 * src.numel() / (median_ms(lambda: dst.copy_(src), 20) * 1e-3)
     del src, dst
     n = 8192
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
-    bf16 = 2 * n**3 / (_median_ms(lambda: a @ b, 10) * 1e-3)
+    bf16 = 2 * n**3 / (median_ms(lambda: a @ b, 10) * 1e-3)
     fp8 = bf16
     if hasattr(torch, "_scaled_mm"):
         try:
             a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
             one = torch.ones((), device=device)
-            fp8 = 2 * n**3 / (_median_ms(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), 10) * 1e-3)
+            fp8 = 2 * n**3 / (median_ms(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), 10) * 1e-3)
         except (RuntimeError, TypeError):  # no fp8 matrix product on this GPU / torch build
             pass
     return Ceilings(torch.cuda.get_device_name(device), bandwidth, bf16, fp8)
@@ -122,9 +130,9 @@ def time_calls(calls: list, graphs: bool, budget_ms: float = 300.0) -> float:
                 run_all()
         torch.cuda.synchronize()
         fn = graph.replay
-    first = _median_ms(fn, 3, warmup=1)
+    first = median_ms(fn, 3, warmup=1)
     reps = int(min(2000, max(5, budget_ms / max(first, 1e-3))))
-    return _median_ms(fn, reps) * 1e3 / len(calls)
+    return median_ms(fn, reps) * 1e3 / len(calls)
 
 
 # --- problems, inputs, traffic -------------------------------------------------------------------
