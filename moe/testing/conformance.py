@@ -79,16 +79,21 @@ def experts_declaration_problems(cls: type) -> list[str]:
     """Everything wrong with the class's declaration itself, before any case is generated."""
     if not (inspect.isclass(cls) and issubclass(cls, Experts)):
         return [f"{cls!r} is not a subclass of moe.experts.base.Experts"]
-    problems = []
-    if inspect.isabstract(cls):
-        missing = ", ".join(sorted(cls.__abstractmethods__))
-        problems.append(f"{cls.__name__} is abstract: implement {missing}")
-    if not isinstance(getattr(cls, "name", None), str) or not cls.name:
-        problems.append("set the class attribute `name` (a non-empty str; the registry and the oracle use it)")
+    problems = _class_problems(cls)
     cap = getattr(cls, "capabilities", None)
     if not isinstance(cap, Capabilities):
         return problems + [f"`capabilities` must be a moe.experts.base.Capabilities (got {type(cap).__name__})"]
     return problems + _capability_problems(cap)
+
+
+def _class_problems(cls: type) -> list[str]:
+    """What both kinds of backend class need: to be concrete and to have a ``name``."""
+    problems = []
+    if inspect.isabstract(cls):
+        problems.append(f"{cls.__name__} is abstract: implement {', '.join(sorted(cls.__abstractmethods__))}")
+    if not isinstance(getattr(cls, "name", None), str) or not cls.name:
+        problems.append("set the class attribute `name` (a non-empty str; the registry and the oracle use it)")
+    return problems
 
 
 def _capability_problems(cap: Capabilities) -> list[str]:
@@ -120,11 +125,7 @@ def _capability_problems(cap: Capabilities) -> list[str]:
 def prepare_finalize_declaration_problems(cls: type) -> list[str]:
     if not (inspect.isclass(cls) and issubclass(cls, PrepareFinalize)):
         return [f"{cls!r} is not a subclass of moe.prepare_finalize.base.PrepareFinalize"]
-    problems = []
-    if inspect.isabstract(cls):
-        problems.append(f"{cls.__name__} is abstract: implement {', '.join(sorted(cls.__abstractmethods__))}")
-    if not isinstance(getattr(cls, "name", None), str) or not cls.name:
-        problems.append("set the class attribute `name` (a non-empty str)")
+    problems = _class_problems(cls)
     if not isinstance(getattr(cls, "format", None), ActivationFormat):
         problems.append(f"`format` must be an ActivationFormat (got {getattr(cls, 'format', None)!r})")
     quant_formats = getattr(cls, "quant_formats", None)
