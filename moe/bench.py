@@ -200,6 +200,7 @@ def backend_calls(cls, problem, weights, inputs, device) -> list:
     experts = cls(problem)
     prepared = experts.prepare_weights(weights)
     tokens = inputs[0][0].shape[0]
+    experts.warmup(prepared, (tokens,))  # libraries that autotune pick their tactic for this M here
     if ActivationFormat.STANDARD in cls.capabilities.formats:
         prepare = LocalPrepareFinalize(problem)
     else:  # batched: capacity = the largest expert load of these inputs, so buffers stay small

@@ -11,6 +11,7 @@ is one `ConfigTable` file per (shape, scheme, device) in ``moe/experts/_triton/c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import multiprocessing
 import os
@@ -52,8 +53,10 @@ def candidate_block_ms(rows_per_expert: float) -> tuple[int, ...]:
         return (16,)
     if rows_per_expert <= 24:
         return (16, 32)
-    if rows_per_expert <= 96:  # weight streaming still: small blocks sharing tiles through L2 may win
+    if rows_per_expert <= 32:  # weight streaming still: small blocks sharing tiles through L2 may win
         return (16, 32, 64)
+    if rows_per_expert <= 96:  # or one block per expert: no tile read twice, half its rows padding
+        return (16, 32, 64, 128)
     return (64, 128)
 
 
@@ -82,6 +85,9 @@ def candidate_tiles(block_m: int, wide_output: bool, scheme: str, rows_per_exper
         groups = (8,) if rows_per_expert >= 256 else (1, 8)
         space = itertools.product(ns, ks or (64, 128), (4, 8), (3, 4), groups)
     tiles = [TileConfig(n, k, g, w, s) for n, k, w, s, g in space]
+    # weight tiles by TMA as well, where the weights allow it (not MXFP4) and the box is <= 128 wide
+    if scheme != "mxfp4":
+        tiles += [dataclasses.replace(t, tma=True) for t in tiles if t.block_k <= 128]
     # a 128-row block with 4 warps spills its accumulators on wide tiles
     return [t for t in tiles if not (block_m == 128 and t.num_warps == 4 and t.block_n >= 128)]
 

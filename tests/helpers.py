@@ -19,3 +19,16 @@ def make_problem(weight_fmt=QuantFormat.NONE, *, quant="bf16", activation="silu"
         intermediate_size=kwargs.pop("intermediate_size", intermediate), activation=activation,
         quant=quant, dtype=dtype, has_bias=has_bias, max_tokens=max_tokens, parallel=parallel, **kwargs,
     )
+
+
+def assert_same_block_layout(got, want) -> None:
+    """Two `BlockLayout`s of the same routing agree: counts, padded ends, local ids, and each expert's
+    segment holds the same slots (their order within a segment is free; padding rows are not read)."""
+    assert torch.equal(got.expert_counts.cpu(), want.expert_counts.cpu())
+    assert torch.equal(got.expert_ends.cpu(), want.expert_ends.cpu())
+    assert torch.equal(got.local_ids.cpu(), want.local_ids.cpu())
+    ends = want.expert_ends.cpu().long()
+    for e, count in enumerate(want.expert_counts.cpu().tolist()):
+        start = int(ends[e]) - -(-count // want.block_m) * want.block_m
+        segment = slice(start, start + count)
+        assert torch.equal(got.sorted_slots.cpu()[segment].sort().values, want.sorted_slots.cpu()[segment].sort().values)

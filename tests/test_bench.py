@@ -84,4 +84,6 @@ def test_tune_search_space_is_valid(scheme, rows_per_expert):
                 if scheme == "fp8_block":
                     assert 128 % t.block_k == 0
                 if scheme == "mxfp4":
-                    assert t.block_k >= 64
+                    assert t.block_k >= 64 and not t.tma  # no TMA descriptor over packed nibbles
+                if t.tma:
+                    assert t.block_k <= 128

@@ -32,7 +32,8 @@ from moe.experts._triton.rows import (  # noqa: E402
     quantize_fp8_rows,
     quantize_fp8_rows_reference,
 )
-from moe.experts._triton.gemm import BatchedRows, grouped_gemm  # noqa: E402
+from moe.experts._triton.gemm import BatchedRows, grouped_gemm, weight_descriptor  # noqa: E402
+from moe.errors import MoEConfigError  # noqa: E402
 from moe.experts._triton.weights import mxfp4_half_split, mxfp4_scale_words, to_operand  # noqa: E402
 from moe.experts.reference import ReferenceExperts  # noqa: E402
 from moe.experts.triton import TritonExperts  # noqa: E402
@@ -45,6 +46,7 @@ from moe.quant import QuantFormat, QuantizedTensor, quantize  # noqa: E402
 from moe.quant.mx import dequantize_mxfp4  # noqa: E402
 from moe.router import TopK  # noqa: E402
 from moe.testing.tolerance import assert_close_moe, regime_for  # noqa: E402
+from tests.helpers import assert_same_block_layout  # noqa: E402
 from moe.weights import ExpertWeights  # noqa: E402
 from moe.workspace import WorkspaceManager, WorkspaceShapes  # noqa: E402
 
@@ -129,6 +131,24 @@ def test_standard_direct_and_sorted_rows(quant, direct, monkeypatch):
     check_standard(make_problem(quant, E=8, k=3, expert_map=(-1, 0, -1, -1, 1, -1, 2, -1)), 5)
 
 
+@pytest.mark.parametrize("quant,sizes", [("fp16", {}), ("fp8_block", {}), ("fp32", {"H": 80, "I": 48})])
+@pytest.mark.parametrize("gated", [True, False])
+def test_standard_tma_weight_tiles(quant, sizes, gated, monkeypatch):
+    """Weight tiles by TMA descriptor: the same results, N and K tails included (fp32 80 x 48)."""
+    tma = cfg.LaunchConfig(16, cfg.TileConfig(32, 64, tma=True), cfg.TileConfig(32, 32, tma=True))
+    monkeypatch.setattr(cfg.ConfigTable, "lookup", lambda self, m: tma)
+    check_standard(make_problem(quant, "silu" if gated else "relu2", E=8, k=3, **sizes,
+                                expert_map=(-1, 0, -1, -1, 1, -1, 2, -1)), 33)
+
+
+def test_tma_weight_tiles_refuse_mxfp4():
+    p = make_problem("mxfp4")
+    tile = cfg.TileConfig(32, 64, tma=True)
+    w = TritonExperts(p).prepare_weights(make_weights(p)).w13
+    with pytest.raises(MoEConfigError, match="tma=True needs contiguous dense or fp8 weights.*mxfp4"):
+        weight_descriptor(w, tile)
+
+
 def test_standard_fp32_odd_sizes():
     """K and N not multiples of the tiles (H=80, I=48) exercise the masked tails."""
     check_standard(make_problem("fp32", H=80, I=48, E=3, k=3), 33)
@@ -142,8 +162,8 @@ def test_standard_expert_map(quant):
 
 
 def test_standard_many_slots_uses_the_multi_launch_alignment():
-    p = make_problem("fp16", E=8, k=4, H=32, I=32, max_tokens=600)
-    check_standard(p, 600)  # 2400 slots > FUSED_MAX_SLOTS
+    p = make_problem("fp16", E=8, k=4, H=32, I=32, max_tokens=1100)
+    check_standard(p, 1100)  # 4400 slots > FUSED_MAX_SLOTS
 
 
 @pytest.mark.parametrize("quant", ["fp16", "fp8_token", "fp8_block", "mxfp4"])
@@ -175,7 +195,8 @@ def test_workspace_does_not_depend_on_routing():
 
 @pytest.mark.parametrize(
     "num_tokens,k,num_experts,block_m,use_map",
-    [(1, 2, 4, 16, False), (7, 2, 4, 16, True), (33, 4, 8, 32, False), (600, 4, 8, 64, True), (3, 1, 1, 16, False)],
+    [(1, 2, 4, 16, False), (7, 2, 4, 16, True), (33, 4, 8, 32, False), (600, 4, 8, 64, True), (3, 1, 1, 16, False),
+     (1100, 4, 8, 64, True)],  # the last: more slots than FUSED_MAX_SLOTS, two launches
 )
 def test_align_matches_twin(num_tokens, k, num_experts, block_m, use_map):
     ids = torch.stack([torch.randperm(num_experts)[:k] for _ in range(num_tokens)]).int()
@@ -187,17 +208,11 @@ def test_align_matches_twin(num_tokens, k, num_experts, block_m, use_map):
         expert_map, num_local = local, chosen.numel()
     buffers = align_buffers(ids.numel(), num_local, (block_m,))
     ws = WorkspaceManager().take(WorkspaceShapes.of(**buffers))
-    ws["sorted_slots"].fill_(-7)  # poison: every position below num_padded must be written
+    for name in ("sorted_slots", "expert_counts", "expert_ends", "local_ids"):
+        ws[name].fill_(-7)  # poison: what the GEMMs read must be written
     got = align_block_size(ids, expert_map, num_local, block_m, ws)
     want = align_block_size_reference(ids, expert_map, num_local, block_m)
-    used = int(want.num_padded)
-    assert int(got.num_padded) == used
-    assert torch.equal(got.block_expert, want.block_expert)
-    assert torch.equal(got.local_ids, want.local_ids)
-    owner = want.block_expert.repeat_interleave(block_m)[:used]
-    for e in range(num_local):  # the order within an expert's segment is free
-        assert torch.equal(got.sorted_slots[:used][owner == e].sort().values,
-                           want.sorted_slots[:used][owner == e].sort().values)
+    assert_same_block_layout(got, want)
 
 
 @pytest.mark.parametrize("fmt", [QuantFormat.FP8_TENSOR, QuantFormat.FP8_ROW, QuantFormat.FP8_BLOCK])

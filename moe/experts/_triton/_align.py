@@ -1,15 +1,16 @@
 """Triton code of the block alignment (see align.py for the contract and the torch twin).
 
-Three steps, fused into one program for small inputs and three launches for large ones:
+Two steps, fused into one program for small inputs and two launches for large ones:
 
 1. ``_rank_chunk``: each slot's local expert (through the expert map) and its rank among the slots
    of that expert, by an atomic increment of the expert's counter. Ranks depend on the order the
    atomics land in, but each row of a GEMM tile is computed independently, so results do not.
-2. ``_block_layout``: counts -> each expert's first padded position, the number of padded
-   positions, the expert of every BLOCK_M block (-1 past the end), and sentinel entries in each
-   expert's last block.
-3. ``_scatter_chunk``: ``sorted_slots[offset[expert] + rank] = slot``.
+2. ``_place_chunk``: counts -> each expert's padded segment (an exclusive scan over the experts, in
+   registers: every program computes it, no launch of its own), then
+   ``sorted_slots[segment_start[expert] + rank] = slot``; program 0 also stores the padded ends.
 
+Nothing else is written: the GEMMs find a block's expert by comparing its first position with the
+ends, and its valid rows with the expert's count, so there is no per-block table and no padding fill.
 Loads of values written earlier in the same launch bypass L1 (``.cg``): atomics and stores land in
 L2, and an L1 line read before them would be stale.
 """
@@ -17,12 +18,12 @@ L2, and an L1 line read before them would be stale.
 import triton
 import triton.language as tl
 
-from moe.experts._triton._lang import cumsum_, sum_
+from moe.experts._triton._lang import cumsum_
 
 
 @triton.jit
-def _rank_chunk(ids_ptr, map_ptr, counts_ptr, local_ptr, ranks_ptr, start, num_slots,
-                HAS_MAP: tl.constexpr, CHUNK: tl.constexpr):
+def _rank_chunk(ids_ptr, map_ptr, counts_ptr, start, num_slots, HAS_MAP: tl.constexpr, CHUNK: tl.constexpr):
+    """(offsets, local expert or -1, rank) of the chunk's slots; the counters get incremented."""
     offs = start + tl.arange(0, CHUNK)
     in_range = offs < num_slots
     ids = tl.load(ids_ptr + offs, mask=in_range, other=0)
@@ -30,96 +31,62 @@ def _rank_chunk(ids_ptr, map_ptr, counts_ptr, local_ptr, ranks_ptr, start, num_s
         local = tl.load(map_ptr + ids, mask=in_range, other=-1)
     else:
         local = tl.where(in_range, ids, -1)
-    here = local >= 0
-    rank = tl.atomic_add(counts_ptr + local, 1, mask=here)
-    tl.store(local_ptr + offs, local, mask=in_range)
-    tl.store(ranks_ptr + offs, rank, mask=here)
+    rank = tl.atomic_add(counts_ptr + local, 1, mask=local >= 0)
+    return offs, local, rank
 
 
 @triton.jit
-def _block_layout(counts_ptr, offsets_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
-                  num_local, num_slots, max_blocks,
-                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCKS_CHUNK: tl.constexpr,
-                  FILL_E: tl.constexpr):
+def _segments(counts_ptr, num_local, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
+    """(expert indices, first padded position, padded end) of every expert, from the final counts."""
     experts = tl.arange(0, E_PAD)
-    is_expert = experts < num_local
-    counts = tl.load(counts_ptr + experts, mask=is_expert, other=0, cache_modifier=".cg")
+    counts = tl.load(counts_ptr + experts, mask=experts < num_local, other=0, cache_modifier=".cg")
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = cumsum_(padded, 0)
-    total = sum_(padded, 0)
-    tl.store(offsets_ptr + experts, ends - padded, mask=is_expert)
-    tl.store(num_padded_ptr, total)
-    # block b belongs to the expert whose padded range holds position b*BLOCK_M: the number of
-    # experts whose range ends at or before it (ends never decrease).
-    for b0 in range(0, max_blocks, BLOCKS_CHUNK):
-        blocks = b0 + tl.arange(0, BLOCKS_CHUNK)
-        pos = blocks * BLOCK_M
-        before = (ends[None, :] <= pos[:, None]) & is_expert[None, :]
-        owner = sum_(before.to(tl.int32), 1)
-        owner = tl.where(pos < total, owner, -1)
-        tl.store(block_expert_ptr + blocks, owner, mask=blocks < max_blocks)
-    tl.debug_barrier()
-    # the unused rows of each expert's last block get the sentinel num_slots
-    cols = tl.arange(0, BLOCK_M)
-    for e0 in range(0, num_local, FILL_E):
-        e = e0 + tl.arange(0, FILL_E)
-        ok = e < num_local
-        count = tl.load(counts_ptr + e, mask=ok, other=0, cache_modifier=".cg")
-        first = tl.load(offsets_ptr + e, mask=ok, other=0, cache_modifier=".cg")
-        end = first + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        pos = (first + count)[:, None] + cols[None, :]
-        tl.store(sorted_ptr + pos, num_slots + tl.full(pos.shape, 0, pos.dtype), mask=ok[:, None] & (pos < end[:, None]))
+    return experts, ends - padded, ends
 
 
 @triton.jit
-def _scatter_chunk(local_ptr, ranks_ptr, offsets_ptr, sorted_ptr, start, num_slots,
-                   CHUNK: tl.constexpr):
-    offs = start + tl.arange(0, CHUNK)
-    local = tl.load(local_ptr + offs, mask=offs < num_slots, other=-1, cache_modifier=".cg")
+def _place(sorted_ptr, starts, offs, local, rank):
     here = local >= 0
-    rank = tl.load(ranks_ptr + offs, mask=here, other=0, cache_modifier=".cg")
-    first = tl.load(offsets_ptr + local, mask=here, other=0, cache_modifier=".cg")
+    first = tl.gather(starts, tl.where(here, local, 0), 0)
     tl.store(sorted_ptr + first + rank, offs, mask=here)
 
 
-@triton.jit(do_not_specialize=["num_slots", "num_local", "max_blocks"])
-def align_fused_kernel(ids_ptr, map_ptr, counts_ptr, local_ptr, ranks_ptr, offsets_ptr, sorted_ptr,
-                       block_expert_ptr, num_padded_ptr, num_slots, num_local, max_blocks,
-                       HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                       CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr, FILL_E: tl.constexpr):
-    """All three steps in one program: for few slots, where launches cost more than the work."""
+@triton.jit(do_not_specialize=["num_slots", "num_local"])
+def align_fused_kernel(ids_ptr, map_ptr, counts_ptr, local_ptr, sorted_ptr, ends_ptr, num_slots, num_local,
+                       HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Both steps in one program, every slot in one chunk (CHUNK >= num_slots): the ranks stay in
+    registers. For few slots, where a second launch costs more than the work."""
     experts = tl.arange(0, E_PAD)
     tl.store(counts_ptr + experts, tl.full(experts.shape, 0, experts.dtype), mask=experts < num_local)
     tl.debug_barrier()
-    for start in range(0, num_slots, CHUNK):
-        _rank_chunk(ids_ptr, map_ptr, counts_ptr, local_ptr, ranks_ptr, start, num_slots, HAS_MAP, CHUNK)
+    offs, local, rank = _rank_chunk(ids_ptr, map_ptr, counts_ptr, 0, num_slots, HAS_MAP, CHUNK)
+    tl.store(local_ptr + offs, local, mask=offs < num_slots)
     tl.debug_barrier()
-    _block_layout(counts_ptr, offsets_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_local,
-                  num_slots, max_blocks, BLOCK_M, E_PAD, BLOCKS_CHUNK, FILL_E)
-    tl.debug_barrier()
-    for start in range(0, num_slots, CHUNK):
-        _scatter_chunk(local_ptr, ranks_ptr, offsets_ptr, sorted_ptr, start, num_slots, CHUNK)
+    experts, starts, ends = _segments(counts_ptr, num_local, BLOCK_M, E_PAD)
+    tl.store(ends_ptr + experts, ends, mask=experts < num_local)
+    _place(sorted_ptr, starts, offs, local, rank)
 
 
 @triton.jit(do_not_specialize=["num_slots"])
 def rank_kernel(ids_ptr, map_ptr, counts_ptr, local_ptr, ranks_ptr, num_slots,
                 HAS_MAP: tl.constexpr, CHUNK: tl.constexpr):
     """Step 1 over a grid of chunks; ``counts`` must be zero before the launch."""
-    _rank_chunk(ids_ptr, map_ptr, counts_ptr, local_ptr, ranks_ptr, tl.program_id(0) * CHUNK,
-                num_slots, HAS_MAP, CHUNK)
+    offs, local, rank = _rank_chunk(ids_ptr, map_ptr, counts_ptr, tl.program_id(0) * CHUNK, num_slots,
+                                    HAS_MAP, CHUNK)
+    tl.store(local_ptr + offs, local, mask=offs < num_slots)
+    tl.store(ranks_ptr + offs, rank, mask=local >= 0)
 
 
-@triton.jit(do_not_specialize=["num_local", "num_slots", "max_blocks"])
-def layout_kernel(counts_ptr, offsets_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
-                  num_local, num_slots, max_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                  BLOCKS_CHUNK: tl.constexpr, FILL_E: tl.constexpr):
-    """Step 2, one program."""
-    _block_layout(counts_ptr, offsets_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_local,
-                  num_slots, max_blocks, BLOCK_M, E_PAD, BLOCKS_CHUNK, FILL_E)
-
-
-@triton.jit(do_not_specialize=["num_slots"])
-def scatter_kernel(local_ptr, ranks_ptr, offsets_ptr, sorted_ptr, num_slots, CHUNK: tl.constexpr):
-    """Step 3 over a grid of chunks."""
-    _scatter_chunk(local_ptr, ranks_ptr, offsets_ptr, sorted_ptr, tl.program_id(0) * CHUNK,
-                   num_slots, CHUNK)
+@triton.jit(do_not_specialize=["num_slots", "num_local"])
+def place_kernel(counts_ptr, local_ptr, ranks_ptr, sorted_ptr, ends_ptr, num_slots, num_local,
+                 BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Step 2 over a grid of chunks."""
+    pid = tl.program_id(0)
+    experts, starts, ends = _segments(counts_ptr, num_local, BLOCK_M, E_PAD)
+    if pid == 0:
+        tl.store(ends_ptr + experts, ends, mask=experts < num_local)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    local = tl.load(local_ptr + offs, mask=offs < num_slots, other=-1)
+    rank = tl.load(ranks_ptr + offs, mask=local >= 0, other=0)
+    _place(sorted_ptr, starts, offs, local, rank)

@@ -3,11 +3,13 @@
 One kernel serves both GEMMs and both activation formats; constexpr switches pick the variant:
 
 - ``ROWS``: 0 walks `BlockLayout` blocks (standard format; A row = slot // A_ROW_DIV, output row =
-  slot); 1: batched, rows ``expert * T + m`` for ``m < tokens_per_expert[expert]``; 2: direct, one
+  slot; a block's expert and valid rows come from the experts' padded ends and counts); 1: batched, rows ``expert * T + m`` for ``m < tokens_per_expert[expert]``; 2: direct, one
   slot per program, its expert read from the top-k ids (and the expert map when ``HAS_MAP``) --
   decode, where sorting costs more than the weights a repeated expert would re-read.
 - ``GATED``: the program computes BLOCK_N columns of both halves of w13 (gate rows n, up rows I + n)
   and writes ``act(gate) * up``: the ``[rows, 2I]`` pre-activation never reaches memory.
+- ``W_TMA``: weight tiles arrive by TMA through ``w_desc`` (a descriptor of the weights as
+  ``[E * R, K]``, block ``[BLOCK_N, BLOCK_K]``) instead of pointer loads; dense and fp8 weights.
 - ``QUANT``: how A and W are stored (the numbering is `gemm.QUANT_CODES`):
   0 dense; 1 fp8 per tensor; 2 fp8 per row/channel; 3 fp8 128x128 blocks (1x128 groups of A);
   4 MXFP4 weights (dequantized tile by tile in registers) with dense activations.
@@ -16,7 +18,7 @@ One kernel serves both GEMMs and both activation formats; constexpr switches pic
 import triton
 import triton.language as tl
 
-from moe.experts._triton._lang import cdiv_, sigmoid_
+from moe.experts._triton._lang import cdiv_, sigmoid_, sum_
 
 # activation codes (gemm.ACTIVATION_CODES)
 _NONE = tl.constexpr(0)
@@ -159,35 +161,41 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 # the token-dependent counts are not specialized on, so one compiled kernel serves every M
-@triton.jit(do_not_specialize=["num_m_blocks", "num_slots", "rows_per_expert"])
+@triton.jit(do_not_specialize=["num_m_blocks", "num_slots", "rows_per_expert", "num_experts"])
 def moe_gemm_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
-    sorted_ptr, block_expert_ptr, num_padded_ptr, counts_ptr,
-    num_m_blocks, num_slots, rows_per_expert, N, K,
+    a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, bias_ptr, out_ptr,
+    rows_ptr, map_ptr, ends_ptr, counts_ptr,
+    num_m_blocks, num_slots, rows_per_expert, num_experts, N, K, w_rows,
     stride_am, stride_ak, stride_asm, stride_ask,
     stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
     stride_be, stride_bn, stride_om, stride_on,
     alpha, beta, limit,
     ROWS: tl.constexpr, HAS_MAP: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
     ACTIVATION: tl.constexpr, QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, E_PAD: tl.constexpr, W_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if ROWS == _SORTED:
-        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    if ROWS == _SORTED:  # rows_ptr: sorted slots; ends_ptr, counts_ptr: per local expert
+        first = pid_m * BLOCK_M
+        experts = tl.arange(0, E_PAD)
+        is_expert = experts < num_experts
+        ends = tl.load(ends_ptr + experts, mask=is_expert, other=0)
+        counts = tl.load(counts_ptr + experts, mask=is_expert, other=0)
+        expert = sum_(((ends <= first) & is_expert).to(tl.int32), 0)  # segments ending before it
+        if expert >= num_experts:  # past the last segment
             return
-        expert = tl.load(block_expert_ptr + pid_m)
-        slots = tl.load(sorted_ptr + rows)
-        row_ok = slots < num_slots
-        slots = tl.where(row_ok, slots, 0)  # padding rows read row 0 and are never stored
+        count = sum_(tl.where(experts == expert, counts, 0), 0)
+        segment_start = sum_(tl.where(experts == expert, ends, 0), 0) - cdiv_(count, BLOCK_M) * BLOCK_M
+        row_ok = rows - segment_start < count
+        slots = tl.load(rows_ptr + rows, mask=row_ok, other=0)  # padding rows read row 0, never stored
         a_rows = slots // A_ROW_DIV
         out_rows = slots
-    elif ROWS == _DIRECT:  # sorted_ptr: top-k ids, block_expert_ptr: the expert map
-        expert = tl.load(sorted_ptr + pid_m)
+    elif ROWS == _DIRECT:  # rows_ptr: top-k ids, map_ptr: the expert map
+        expert = tl.load(rows_ptr + pid_m)
         if HAS_MAP:
-            expert = tl.load(block_expert_ptr + expert)
+            expert = tl.load(map_ptr + expert)
         if expert < 0:
             return
         row_ok = tl.arange(0, BLOCK_M) == 0  # every row computes this slot; one is stored
@@ -220,8 +228,17 @@ def moe_gemm_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
         w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        w_row = (expert * w_rows + pid_n * BLOCK_N).to(tl.int32)  # W_TMA: the tile's first row in [E * R, K]
         for kk in range(0, cdiv_(K, BLOCK_K)):
-            if EVEN_K:
+            if W_TMA:  # the weight tiles by TMA (zero past K); the tail's extra rows are never stored
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                else:
+                    a = tl.load(a_ptrs, mask=(offs_k < K - kk * BLOCK_K)[None, :], other=0.0)
+                w = w_desc.load([w_row, kk * BLOCK_K]).T
+                if GATED:
+                    w_up = w_desc.load([w_row + N, kk * BLOCK_K]).T
+            elif EVEN_K:
                 a = tl.load(a_ptrs)
                 w = tl.load(w_ptrs)
                 if GATED:

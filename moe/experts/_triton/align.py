@@ -8,10 +8,13 @@ Example, M=3 tokens, k=2, E_local=3, BLOCK_M=2, ``topk_ids = [[0, 2], [2, 1], [0
 ``token * k + j``)::
 
     slots by expert:  0 -> {0, 4}   1 -> {3}   2 -> {1, 2, 5}
-    sorted_slots   = [0, 4 | 3, S | 1, 2 | 5, S]   (S = the sentinel M*k = 6; order within an
-    block_expert   = [0,     1,     2,     2, -1, ...]   expert's segment is not specified)
-    num_padded     = [8]
+    expert_counts  = [2, 1, 3]
+    expert_ends    = [2, 4, 8]        (each expert's segment padded to a multiple of BLOCK_M)
+    sorted_slots   = [0, 4 | 3, . | 1, 2 | 5, .]   (. = never written; the order within an
+                                                    expert's segment is not specified)
 
+Block b (positions ``b*BLOCK_M ...``) belongs to the expert whose segment holds its first position:
+the number of experts whose end is at or before it; its rows past the expert's count are padding.
 Slots whose expert is not on this rank (expert map entry -1) appear nowhere.
 """
 
@@ -24,21 +27,26 @@ import triton
 
 from moe.experts._triton import kernels
 
-# Up to this many slots (M * k), one program does everything: launches cost more than the work.
-FUSED_MAX_SLOTS = 2048
-_CHUNK = 1024  # slots per program (or per loop step of the fused program)
-_BLOCKS_CHUNK = 64
+# Up to this many slots (M * k), one program does everything, its slots in one chunk of registers:
+# a second launch costs more than the work.
+FUSED_MAX_SLOTS = 4096
+_CHUNK = 1024  # slots per program of the two-launch path
 
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """The GEMMs' view of the routing: rows sorted by expert, padded to whole blocks."""
+    """The GEMMs' view of the routing: rows sorted by expert, each expert padded to whole blocks."""
 
-    sorted_slots: torch.Tensor  # int32 [max_padded(M)]: slot ids; sentinel M*k = padding; tail unused
-    block_expert: torch.Tensor  # int32 [max_blocks(M)]: local expert of each block, -1 past the end
-    num_padded: torch.Tensor  # int32 [1]: positions in use (a multiple of BLOCK_M)
+    sorted_slots: torch.Tensor  # int32 [max_blocks * BLOCK_M]: slot ids; padding rows unspecified
+    expert_counts: torch.Tensor  # int32 [E_local]: slots of each local expert
+    expert_ends: torch.Tensor  # int32 [E_local]: end of each expert's padded segment (cumulative)
     local_ids: torch.Tensor  # int32 [M*k]: local expert of each slot, -1 when not on this rank
     block_m: int
+
+    @property
+    def max_blocks(self) -> int:
+        """The grid's bound on blocks; those past ``expert_ends[-1]`` exit at once."""
+        return self.sorted_slots.numel() // self.block_m
 
 
 def max_blocks(num_slots: int, num_local: int, block_m: int) -> int:
@@ -46,19 +54,21 @@ def max_blocks(num_slots: int, num_local: int, block_m: int) -> int:
     return triton.cdiv(num_slots, block_m) + min(num_local, num_slots)
 
 
+def experts_pad(num_local: int) -> int:
+    """The power of two the kernels hold the per-expert vectors in."""
+    return triton.next_power_of_2(max(num_local, 2))
+
+
 def workspace_buffers(num_slots: int, num_local: int, block_ms: tuple[int, ...]) -> dict:
     """The alignment's buffers for up to ``num_slots`` slots and any block size in ``block_ms``."""
-    blocks = max(max_blocks(num_slots, num_local, bm) for bm in block_ms)
     padded = max(max_blocks(num_slots, num_local, bm) * bm for bm in block_ms)
-    i32 = torch.int32
+    i32, experts = torch.int32, max(num_local, 1)
     return {
         "sorted_slots": ((padded,), i32),
-        "block_expert": ((blocks,), i32),
-        "num_padded": ((1,), i32),
         "local_ids": ((num_slots,), i32),
         "ranks": ((num_slots,), i32),
-        "expert_counts": ((max(num_local, 1),), i32),
-        "expert_offsets": ((max(num_local, 1),), i32),
+        "expert_counts": ((experts,), i32),
+        "expert_ends": ((experts,), i32),
     }
 
 
@@ -75,37 +85,30 @@ def align_block_size(
     """
     _align = kernels("align")
     num_slots = topk_ids.numel()
-    blocks = max_blocks(num_slots, num_local, block_m)
     layout = BlockLayout(
-        sorted_slots=workspace["sorted_slots"][: blocks * block_m],
-        block_expert=workspace["block_expert"][:blocks],
-        num_padded=workspace["num_padded"],
+        sorted_slots=workspace["sorted_slots"][: max_blocks(num_slots, num_local, block_m) * block_m],
+        expert_counts=workspace["expert_counts"][:num_local],
+        expert_ends=workspace["expert_ends"][:num_local],
         local_ids=workspace["local_ids"][:num_slots],
         block_m=block_m,
     )
-    ranks, counts, offsets = workspace["ranks"], workspace["expert_counts"], workspace["expert_offsets"]
     ids = topk_ids.reshape(-1)
     has_map = expert_map is not None
     map_arg = expert_map if has_map else ids  # any tensor: never read without HAS_MAP
-    e_pad = triton.next_power_of_2(max(num_local, 2))
-    fill_e = max(1, 4096 // block_m)
-    common = dict(BLOCK_M=block_m, E_PAD=e_pad, BLOCKS_CHUNK=_BLOCKS_CHUNK, FILL_E=fill_e)
+    counts, ends, e_pad = layout.expert_counts, layout.expert_ends, experts_pad(num_local)
     if num_slots <= FUSED_MAX_SLOTS:
+        chunk = triton.next_power_of_2(max(num_slots, 16))
         _align.align_fused_kernel[(1,)](
-            ids, map_arg, counts, layout.local_ids, ranks, offsets, layout.sorted_slots,
-            layout.block_expert, layout.num_padded, num_slots, num_local, blocks,
-            HAS_MAP=has_map, CHUNK=min(_CHUNK, triton.next_power_of_2(num_slots)), num_warps=4,
-            **common,
+            ids, map_arg, counts, layout.local_ids, layout.sorted_slots, ends, num_slots, num_local,
+            HAS_MAP=has_map, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, num_warps=4 if chunk <= 1024 else 8,
         )
         return layout
     counts.zero_()
     grid = (triton.cdiv(num_slots, _CHUNK),)
-    _align.rank_kernel[grid](ids, map_arg, counts, layout.local_ids, ranks, num_slots,
+    _align.rank_kernel[grid](ids, map_arg, counts, layout.local_ids, workspace["ranks"], num_slots,
                              HAS_MAP=has_map, CHUNK=_CHUNK, num_warps=4)
-    _align.layout_kernel[(1,)](counts, offsets, layout.sorted_slots, layout.block_expert,
-                               layout.num_padded, num_local, num_slots, blocks, num_warps=8, **common)
-    _align.scatter_kernel[grid](layout.local_ids, ranks, offsets, layout.sorted_slots, num_slots,
-                                CHUNK=_CHUNK, num_warps=4)
+    _align.place_kernel[grid](counts, layout.local_ids, workspace["ranks"], layout.sorted_slots, ends,
+                              num_slots, num_local, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_CHUNK, num_warps=4)
     return layout
 
 
@@ -116,16 +119,15 @@ def align_block_size_reference(
     num_slots = topk_ids.numel()
     ids = topk_ids.reshape(-1).long()
     local = expert_map.long()[ids] if expert_map is not None else ids
-    blocks = max_blocks(num_slots, num_local, block_m)
-    sorted_slots = torch.full((blocks * block_m,), num_slots, dtype=torch.int32, device=ids.device)
-    block_expert = torch.full((blocks,), -1, dtype=torch.int32, device=ids.device)
+    sorted_slots = torch.full((max_blocks(num_slots, num_local, block_m) * block_m,), -1, dtype=torch.int32,
+                              device=ids.device)
+    counts = torch.zeros(num_local, dtype=torch.int32, device=ids.device)
+    ends = torch.zeros(num_local, dtype=torch.int32, device=ids.device)
     position = 0
     for e in range(num_local):
         slots = (local == e).nonzero().squeeze(1)
         sorted_slots[position : position + slots.numel()] = slots.to(torch.int32)
-        padded = triton.cdiv(slots.numel(), block_m) * block_m
-        block_expert[position // block_m : (position + padded) // block_m] = e
-        position += padded
-    sorted_slots[position:] = 0  # past num_padded: unspecified; the kernels leave it as it was
-    num_padded = torch.tensor([position], dtype=torch.int32, device=ids.device)
-    return BlockLayout(sorted_slots, block_expert, num_padded, local.to(torch.int32), block_m)
+        counts[e] = slots.numel()
+        position += triton.cdiv(slots.numel(), block_m) * block_m
+        ends[e] = position
+    return BlockLayout(sorted_slots, counts, ends, local.to(torch.int32), block_m)

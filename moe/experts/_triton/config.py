@@ -33,6 +33,7 @@ class TileConfig:
     group_m: int = 1  # m blocks walked together, so that their A tiles stay in L2
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool = False  # weight tiles by TMA (SM90+; dense and fp8 weights whose rows are 16-byte multiples)
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,10 @@ import triton
 
 from moe.activation import Activation, ActivationKind
 from moe.experts._triton import kernels
-from moe.experts._triton.align import BlockLayout
+from moe.experts._triton.align import BlockLayout, experts_pad
 from moe.experts._triton.config import TileConfig
 from moe.experts._triton.weights import WeightOperand
+from moe.errors import MoEConfigError
 from moe.quant import QuantFormat
 
 QUANT_CODES = {
@@ -95,6 +96,18 @@ def precompile(spec: tuple) -> str | None:
     return None
 
 
+def weight_descriptor(w: WeightOperand, tile: TileConfig):
+    """A TMA descriptor of ``w``'s data as ``[E * R, K]`` with ``[BLOCK_N, BLOCK_K]`` blocks."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    data = w.data
+    if w.fmt is QuantFormat.MXFP4 or not data.is_contiguous() or (data.shape[-1] * data.element_size()) % 16:
+        raise MoEConfigError(f"tma=True needs contiguous dense or fp8 weights with 16-byte rows (got {w.fmt.value}, "
+                             f"shape {tuple(data.shape)}, {data.dtype}); use tma=False for this scheme")
+    rows = data.shape[0] * data.shape[1]
+    return TensorDescriptor(data, [rows, data.shape[2]], [data.shape[2], 1], [tile.block_n, tile.block_k])
+
+
 def gemm_launch(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
@@ -110,12 +123,13 @@ def gemm_launch(
     n_out = out.shape[-1]
     k = w.k
     n_tiles = triton.cdiv(n_out, tile.block_n)
-    has_map = False
+    has_map, num_experts = False, 0
     if isinstance(rows, SortedRows):
         layout = rows.layout
-        num_m_blocks = layout.block_expert.numel()
+        num_m_blocks = layout.max_blocks
         grid = (num_m_blocks * n_tiles,)
-        sorted_args = (layout.sorted_slots, layout.block_expert, layout.num_padded, layout.num_padded)
+        num_experts = layout.expert_counts.numel()
+        sorted_args = (layout.sorted_slots, layout.expert_ends, layout.expert_ends, layout.expert_counts)
         num_slots, per_expert, a_row_div, mode = rows.num_slots, 1, rows.a_row_div, 0
     elif isinstance(rows, DirectRows):
         num_m_blocks = rows.topk_ids.numel()
@@ -133,10 +147,10 @@ def gemm_launch(
     params = (act.alpha, act.beta, act.limit) if act is not None and act.alpha is not None else (0.0, 0.0, 0.0)
     dummy = w.data  # stands in for absent scales/biases; never read
     args = (
-        a, a_scale if a_scale is not None else dummy, w.data,
+        a, a_scale if a_scale is not None else dummy, w.data, weight_descriptor(w, tile) if tile.tma else dummy,
         w.scale if w.scale is not None else dummy, w.bias if w.bias is not None else dummy, out,
         *sorted_args,
-        num_m_blocks, num_slots, per_expert, n_out, k,
+        num_m_blocks, num_slots, per_expert, num_experts, n_out, k, w.data.shape[1],
         a.stride(0), a.stride(1), *_strides(a_scale, 2),
         *w.data.stride(), *_strides(w.scale, 3), *_strides(w.bias, 2), out.stride(0), out.stride(1),
         *params,
@@ -145,7 +159,7 @@ def gemm_launch(
         ROWS=mode, HAS_MAP=has_map, A_ROW_DIV=a_row_div, GATED=gated,
         ACTIVATION=ACTIVATION_CODES[None if act is None else act.kind],
         QUANT=QUANT_CODES[w.fmt], HAS_BIAS=w.bias is not None, EVEN_K=k % tile.block_k == 0,
-        IEEE=a.dtype == torch.float32,
+        IEEE=a.dtype == torch.float32, E_PAD=experts_pad(num_experts), W_TMA=tile.tma,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )

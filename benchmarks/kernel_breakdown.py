@@ -1,0 +1,74 @@
+"""Where an experts backend's time goes: GPU time per kernel of one call, from torch.profiler.
+
+    python benchmarks/kernel_breakdown.py --preset qwen3-30b-a3b --tokens 16,256 --experts triton
+
+Builds the calls exactly as ``python -m moe bench`` does (random weights, the preset's router,
+rotating inputs), runs them eagerly under the profiler after warm-up and prints, per (preset, M),
+each kernel's mean microseconds per call and its share. Eager launches leave gaps between kernels
+that CUDA graphs remove, so the sum here is the GPU busy time, not the bench's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moe.bench import backend_calls, build_weights, make_inputs  # noqa: E402
+from moe.presets import load_preset  # noqa: E402
+from moe.registry import get_experts  # noqa: E402
+
+
+def breakdown(calls: list, reps: int) -> dict[str, float]:
+    """Mean GPU microseconds per call of each kernel name."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            for call in calls:
+                call()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name[:60]] += event.device_time / (reps * len(calls))
+    return dict(per_kernel)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import moe.experts.triton  # noqa: F401 -- registers the Triton experts
+    import moe.experts.triton_batched  # noqa: F401
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", required=True)
+    parser.add_argument("--quant", default="bf16")
+    parser.add_argument("--tokens", type=lambda t: [int(x) for x in t.split(",")], required=True)
+    parser.add_argument("--experts", default="triton")
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    preset = load_preset(args.preset)
+    weights = None
+    for m in args.tokens:
+        problem = preset.problem(quant=args.quant, max_tokens=m)
+        weights = weights if weights is not None else build_weights(problem, device)
+        inputs = make_inputs(preset, problem, m, 4, device)
+        for name in args.experts.split(","):
+            calls = backend_calls(get_experts(name), problem, weights, inputs, device)
+            times = breakdown(calls, args.reps)
+            total = sum(times.values())
+            print(f"\n{args.preset} {args.quant} M={m} {name}: {total:.1f} us of GPU time per call")
+            for kernel, us in sorted(times.items(), key=lambda kv: -kv[1]):
+                print(f"  {us:9.1f} us  {us / total:5.1%}  {kernel}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
