@@ -277,6 +277,9 @@ def run_bench(presets, quants, tokens, names, rotations: int = 4, log=print) -> 
 # --- output ----------------------------------------------------------------------------------------
 
 
+PEERS = ("torch_grouped",)  # the baselines we must beat; every other backend is "ours"
+
+
 def format_table(records: list[Record]) -> str:
     """One markdown table per (preset, quant): backends side by side, vLLM target where known."""
     lines = []
@@ -287,7 +290,7 @@ def format_table(records: list[Record]) -> str:
         lines += ["", f"### {preset} {quant}", ""]
         head = "| M | " + " | ".join(f"{n} us | {n} TF/s | {n} GB/s | {n} %roof" for n in names)
         has_vllm = any(r.vllm_us for r in rows)
-        head += " | vLLM us | speedup vs best peer |" if has_vllm else " |"
+        head += " | vLLM us |" if has_vllm else " |"
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for m in sorted({r.tokens for r in rows}):
             by_name = {r.experts: r for r in rows if r.tokens == m}
@@ -295,15 +298,37 @@ def format_table(records: list[Record]) -> str:
             for n in names:
                 r = by_name.get(n)
                 cells.append(f"{r.us:.1f} | {r.tflops:.1f} | {r.gbps:.0f} | {r.roofline_fraction:.0%}" if r else "- | - | - | -")
-            line = f"| {m} | " + " | ".join(cells)
-            if has_vllm:
-                ours, vllm = by_name.get("triton"), next((r.vllm_us for r in by_name.values() if r.vllm_us), None)
-                peers = [r.us for n, r in by_name.items() if n != "triton"] + ([vllm] if vllm else [])
-                speedup = f"{min(peers) / ours.us:.2f}x" if ours and peers else "-"
-                line += f" | {vllm or '-'} | {speedup} |"
-            else:
-                line += " |"
-            lines.append(line)
+            vllm = next((r.vllm_us for r in by_name.values() if r.vllm_us), None)
+            lines.append(f"| {m} | " + " | ".join(cells) + (f" | {vllm or '-'} |" if has_vllm else " |"))
+    return "\n".join(lines)
+
+
+def format_targets(records: list[Record], ceilings: Ceilings, speedup: float = 1.1, match_at: float = 0.9) -> str:
+    """Issue 4's goal, cell by cell: our best backend (any but the `PEERS`) against the better of
+    the peers (vLLM's table and the measured baselines) -- ``speedup`` times faster, or as fast where
+    that peer already runs at ``match_at`` of the roofline -- and where each of ours stands."""
+    lines = []
+    for preset in sorted({r.preset for r in records if r.vllm_us}):
+        rows = [r for r in records if r.preset == preset and r.vllm_us]
+        lines += ["", f"### {preset} {rows[0].quant}", "",
+                  "| M | ours us (backend) | vLLM us (its %roof) | baseline us | need <= | vs best peer "
+                  "| ours %roof | ours % of peak | met |", "|---|---|---|---|---|---|---|---|---|"]
+        for m in sorted({r.tokens for r in rows}):
+            cell = [r for r in rows if r.tokens == m]
+            ours = min((r for r in cell if r.experts not in PEERS), key=lambda r: r.us, default=None)
+            baseline = min((r.us for r in cell if r.experts in PEERS), default=None)
+            vllm = cell[0].vllm_us
+            vllm_roof = cell[0].roofline_us / vllm
+            best_peer = min(vllm, baseline or vllm)
+            match = best_peer == vllm and vllm_roof >= match_at
+            need = best_peer if match else best_peer / speedup
+            if ours is None:
+                continue
+            met = "yes" + (" (match)" if match else "") if ours.us <= need else "no"
+            lines.append(
+                f"| {m} | {ours.us:.1f} ({ours.experts}) | {vllm} ({vllm_roof:.0%}) | "
+                f"{f'{baseline:.1f}' if baseline else '-'} | {need:.1f} | {best_peer / ours.us:.2f}x | "
+                f"{ours.roofline_fraction:.0%} | {ours.tflops * 1e12 / ceilings.bf16_flops:.0%} | {met} |")
     return "\n".join(lines)
 
 
@@ -391,6 +416,9 @@ def bench_command(args: argparse.Namespace) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     ceilings, records = run_bench(args.preset, args.quant, args.tokens, names, args.rotations, log)
     print(format_table(records))
+    targets = format_targets(records, ceilings)
+    if targets:
+        print("\n## Against issue 4's targets (ours: the best backend that is not a baseline)" + targets)
     if args.json:
         write_json(args.json, ceilings, records, args.machine or ceilings.device)
     if args.save_profile:

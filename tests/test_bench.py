@@ -1,6 +1,7 @@
 """The bench and tune commands' CPU-side parts: traffic and FLOP counts, tables, files, search spaces."""
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -26,13 +27,32 @@ def test_traffic_counts_hit_experts_and_activations():
     assert flops == 2 * 3 * 2 * 64 * (64 + 32)
 
 
-def test_table_compares_with_the_best_peer():
+def test_table_puts_backends_side_by_side():
     records = [_record("triton", 1, 30.0, 35.8), _record("torch_grouped", 1, 90.0, 35.8),
                _record("triton", 16, 200.0, 204.6)]
     table = bench.format_table(records)
     assert "### qwen3-30b-a3b bf16" in table
-    assert "| 1 | 30.0 |" in table and "1.19x" in table  # 35.8 / 30.0
+    assert "| 1 | 30.0 |" in table and table.count("| 35.8 |") == 1
     assert "| 16 | 200.0 |" in table and "- | - | - | -" in table  # torch_grouped missing at M=16
+
+
+def test_targets_take_our_best_backend_against_the_better_peer():
+    ceilings = bench.Ceilings("NVIDIA H200", 4.2e12, 7.7e14, 1.5e15)
+    near_roofline = dataclasses.replace(_record("triton", 256, 199.0, 200.0), roofline_us=190.0)
+    records = [_record("triton", 1, 30.0, 35.8), _record("flashinfer_cutlass", 1, 25.0, 35.8),
+               _record("torch_grouped", 1, 90.0, 35.8),
+               _record("triton", 16, 200.0, 204.6), _record("torch_grouped", 16, 150.0, 204.6),
+               near_roofline]
+    table = bench.format_targets(records, ceilings)
+    # M=1: ours is FlashInfer's 25.0; the better peer is vLLM (35.8 < 90): need 35.8 / 1.1
+    assert "| 1 | 25.0 (flashinfer_cutlass) | 35.8 (28%) | 90.0 | 32.5 | 1.43x |" in table
+    assert table.split("\n")[5].endswith("| yes |")
+    # M=16: the baseline (150) beats vLLM, so it sets the bar, and 200 misses it
+    assert "| 16 | 200.0 (triton) | 204.6 (5%) | 150.0 | 136.4 | 0.75x |" in table
+    assert table.split("\n")[6].endswith("| no |")
+    # M=256: vLLM runs at 95% of the roofline: matching it is the goal
+    assert "| 256 | 199.0 (triton) | 200.0 (95%) | - | 200.0 | 1.01x |" in table
+    assert table.split("\n")[7].endswith("| yes (match) |")
 
 
 def test_json_and_profile_files(tmp_path):
