@@ -105,19 +105,21 @@ class Activation:
     def __str__(self) -> str:
         return self.name
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Reference math on ``[..., 2I]`` (gated, ``[gate; up]``) or ``[..., I]``; returns ``[..., I]``."""
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Reference math on ``[..., 2I]`` (gated, ``[gate; up]``) or ``[..., I]``; returns ``[..., I]``
+        computed in ``x``'s dtype. With ``out``, the last op writes its result there, cast once to
+        ``out``'s dtype (no copy after it), and returns ``out``."""
         if not self.is_gated:
-            return torch.relu(x).square()
+            return torch.square(torch.relu(x), out=out)
         if x.shape[-1] % 2:
             raise MoEConfigError(
                 f"gated activation {self.name} needs an even last dimension [gate; up] (got {x.shape[-1]})"
             )
         gate, up = x.chunk(2, dim=-1)
         if self.kind is ActivationKind.SILU:
-            return torch.nn.functional.silu(gate) * up
+            return torch.mul(torch.nn.functional.silu(gate), up, out=out)
         if self.kind is ActivationKind.GELU:
-            return torch.nn.functional.gelu(gate) * up
+            return torch.mul(torch.nn.functional.gelu(gate), up, out=out)
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
-        return gate * torch.sigmoid(self.alpha * gate) * (up + self.beta)
+        return torch.mul(gate * torch.sigmoid(self.alpha * gate), up + self.beta, out=out)

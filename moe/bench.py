@@ -3,7 +3,7 @@
 For each preset, scheme and token count M, every chosen backend runs the experts stage (for the
 Triton backends that includes the token sort / block alignment and any fp8 activation quantization;
 the router's top-k is computed beforehand, outside the timed region) and is timed as the median of
-many CUDA-graph replays (eager for backends that are not graph safe), rotating among several input
+many CUDA-graph replays (eager for backends whose calls do not capture), rotating among several input
 sets whose routing differs, after warm-up.
 
 Reported per (backend, M): microseconds, TFLOP/s, GB/s and the fraction of the roofline
@@ -243,8 +243,16 @@ def bench_case(preset, quant: str, tokens: int, names: list[str], ceilings: Ceil
         if reasons:
             log(f"  {name}: skipped ({'; '.join(reasons)})")
             continue
-        graphs = cls.capabilities.cuda_graph_safe
-        us = time_calls(backend_calls(cls, problem, weights, inputs, device), graphs)
+        calls = backend_calls(cls, problem, weights, inputs, device)
+        graphs = True  # also for classes that do not declare graph safety (allocating, say) but capture
+        try:
+            us = time_calls(calls, graphs=True)
+        except RuntimeError as error:
+            if cls.capabilities.cuda_graph_safe:
+                raise
+            log(f"  {name}: does not capture in a CUDA graph ({str(error).splitlines()[0][:100]}); timed eagerly")
+            torch.cuda.synchronize()
+            graphs, us = False, time_calls(calls, graphs=False)
         vllm = VLLM_H200_BF16_US.get(preset.name, {}).get(tokens) if quant == "bf16" else None
         records.append(Record(preset.name, quant, tokens, name, us, flops / us * 1e-6, nbytes / us * 1e-3,
                               roofline_us, roofline_us / us, graphs, vllm))

@@ -72,6 +72,11 @@ class ParallelConfig:
         first = self.ep_rank * per_rank
         return [e - first if first <= e < first + per_rank else -1 for e in range(num_experts)]
 
+    def global_to_local_tensor(self, num_experts: int, device: torch.device | str) -> torch.Tensor:
+        """``global_to_local`` as int32 ``[E]`` on ``device``. Build it once, at load, and index it with the
+        top-k ids per forward: building it is a host-to-device copy, which a CUDA graph cannot capture."""
+        return torch.tensor(self.global_to_local(num_experts), dtype=torch.int32, device=device)
+
     def local_num_experts(self, num_experts: int) -> int:
         return sum(1 for i in self.global_to_local(num_experts) if i >= 0)
 

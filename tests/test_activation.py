@@ -50,3 +50,13 @@ def test_repr_round_trips():
 
     act = Activation.parse("swiglu_oai", limit=10.0)
     assert eval(repr(act)) == act
+
+
+@pytest.mark.parametrize("name", ["silu", "gelu", "swiglu_oai", "relu2"])
+def test_out_gets_the_same_values_rounded_once(name):
+    """``out=`` writes the result there, bit for bit what the call returns, cast once to out's dtype."""
+    act = Activation.parse(name)
+    x = 3 * torch.randn(5, 8)
+    out = torch.empty(5, 4 if act.is_gated else 8, dtype=torch.bfloat16)
+    assert act(x, out=out) is out
+    assert torch.equal(out, act(x).to(torch.bfloat16))

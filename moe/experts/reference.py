@@ -15,6 +15,7 @@ import torch
 from moe.activation import ActivationKind
 from moe.experts.base import Capabilities, Experts
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
+from moe.problem import MoEProblem
 from moe.quant import QuantFormat, QuantizedTensor, dequantize, quantize
 from moe.quant.scheme import SCHEME_PAIRS
 from moe.registry import register_experts
@@ -24,18 +25,20 @@ from moe.workspace import Workspace, WorkspaceShapes
 
 @dataclass(frozen=True)
 class DenseWeights:
-    """Float32 weights in the canonical layout, dequantized once at load."""
+    """Float32 weights in the canonical layout, dequantized once at load, and the expert map."""
 
     w13: torch.Tensor  # [E_local, R, H]
     w2: torch.Tensor  # [E_local, H, I]
     b13: torch.Tensor | None  # [E_local, R]
     b2: torch.Tensor | None  # [E_local, H]
+    expert_map: torch.Tensor  # int32 [E] on the weights' device: global id -> local id, -1 elsewhere
 
 
-def dense_weights(weights: ExpertWeights) -> DenseWeights:
+def dense_weights(weights: ExpertWeights, problem: MoEProblem) -> DenseWeights:
     w13, w2 = weights.dequantize(torch.float32)
     as_f32 = lambda b: None if b is None else b.float()  # noqa: E731
-    return DenseWeights(w13, w2, as_f32(weights.b13), as_f32(weights.b2))
+    expert_map = problem.parallel.global_to_local_tensor(problem.num_experts, weights.device)
+    return DenseWeights(w13, w2, as_f32(weights.b13), as_f32(weights.b2), expert_map)
 
 
 def fake_quantize(x: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
@@ -73,7 +76,7 @@ class ReferenceExperts(Experts):
 
     def prepare_weights(self, weights: ExpertWeights) -> DenseWeights:
         weights.validate(self.problem)
-        return dense_weights(weights)
+        return dense_weights(weights, self.problem)
 
     def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
         p = self.problem
@@ -96,8 +99,7 @@ class ReferenceExperts(Experts):
             x = dequantize_rows(dispatched.x, rows)
         else:
             out = workspace["out"][: dispatched.num_rows]
-            to_local = torch.tensor(p.parallel.global_to_local(p.num_experts), device=device)
-            local = to_local[dispatched.topk.ids.long()].flatten()  # [M' * k]
+            local = weights.expert_map[dispatched.topk.ids.long()].flatten()  # [M' * k]
             rows = (local >= 0).nonzero().squeeze(1)
             experts = local[rows]
             x = dequantize_rows(dispatched.x)[rows // p.top_k]

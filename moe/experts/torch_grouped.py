@@ -1,15 +1,31 @@
 """The PyTorch-native baseline: sort the (token, slot) pairs by expert, one GEMM per expert group.
 
-On CUDA (SM90+, bf16) the groups run as one ``torch._grouped_mm`` call per GEMM; elsewhere as a loop
-of ``torch.mm`` over the experts that received tokens (which needs the group sizes on the host, so it
-is not CUDA-graph safe). Output is reduced: router weights applied and summed over k.
+Written the way a PyTorch user would, as the baseline the custom kernels are measured against::
 
-Buffers: the output, the sorted activations and both intermediates live in the workspace; the sort
-itself and the ``_grouped_mm`` results are allocated by PyTorch's caching allocator (this is the
-baseline the custom kernels are measured against, written the way a PyTorch user would).
+    sort     slots keyed by local expert (experts elsewhere last: key E_local), stable
+    groups   ends[e] = searchsorted(sorted keys, e, right=True): where expert e's rows end
+    gather   x_sorted[r] = x[token of sorted slot r]
+    gemm1    a = act(x_sorted @ w13[e].T + b13[e])   (act in float32, rounded once)
+    gemm2    y = a @ w2[e].T + b2[e]; rows of experts elsewhere zeroed
+    combine  out[t] = sum_j topk_weights[t, j] * y[slot (t, j)]   (float32, fixed order: deterministic)
+
+On CUDA (SM90+, bf16, rows a multiple of 16 bytes) each GEMM is one ``torch._grouped_mm`` call and
+nothing reads routing data on the host -- shapes depend on M only, so ``apply`` captures into a CUDA
+graph. Elsewhere each GEMM is a loop of ``torch.mm`` over the experts, which reads the group ends on the
+host. The path is chosen once, at load (``GroupedWeights.grouped_mm``).
+
+Buffers: the output, the sorted activations (reused for the results back in slot order) and the
+activation's output live in the workspace, and so do both GEMM results on the loop path. The routing
+metadata (int tensors of M·k entries, the sort's scratch), the ``_grouped_mm`` results (it has no
+``out=``; the declared ``h`` and ``y`` bound them) and the float32 temporaries of the activation and
+the combine come from PyTorch's caching allocator. So the class does not declare ``cuda_graph_safe``,
+although it captures: the conformance kit holds graph-safe classes to allocating nothing outside
+their workspace.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -24,13 +40,31 @@ from moe.weights import ExpertWeights
 from moe.workspace import Workspace, WorkspaceShapes
 
 
-def _use_grouped_mm(x: torch.Tensor) -> bool:
-    # torch._grouped_mm has kernels for bf16 on SM90+ only
+@dataclass(frozen=True)
+class GroupedWeights:
+    """What ``apply`` reads, built once at load by ``prepare_weights``.
+
+    With ``ParallelConfig(ep_size=2, ep_rank=1)`` and E=4: ``expert_map = [-1, -1, 0, 1]``,
+    ``group_ids = [0, 1]``.
+    """
+
+    weights: ExpertWeights  # validated, canonical layout: w13 [E_local, R, H], w2 [E_local, H, I]
+    expert_map: torch.Tensor  # int32 [E] on the weights' device: global id -> local id, -1 elsewhere
+    group_ids: torch.Tensor  # int32 [E_local] = 0 .. E_local-1: searched for in the sorted keys
+    grouped_mm: bool  # True: one torch._grouped_mm per GEMM, no host sync; False: a loop of torch.mm
+
+
+def grouped_mm_serves(problem: MoEProblem, platform: Platform) -> bool:
+    """Whether ``torch._grouped_mm`` runs this problem on ``platform`` without reading the group ends on
+    the host: its CUTLASS kernels take bf16 on SM90+ (elsewhere it falls back to a loop that does), with
+    rows whose strides are multiples of 16 bytes (H and I; it raises otherwise, on any device)."""
+    row_bytes = (problem.hidden_size * problem.dtype.itemsize, problem.intermediate_size * problem.dtype.itemsize)
     return (
-        x.is_cuda
-        and x.dtype == torch.bfloat16
+        platform.is_cuda
+        and platform.capability_at_least(9)
+        and problem.dtype == torch.bfloat16
+        and all(n % 16 == 0 for n in row_bytes)
         and hasattr(torch, "_grouped_mm")
-        and torch.cuda.get_device_capability(x.device) >= (9, 0)
     )
 
 
@@ -45,9 +79,15 @@ class TorchGroupedExperts(Experts):
         deterministic=True,
     )
 
-    def prepare_weights(self, weights: ExpertWeights) -> ExpertWeights:
+    def prepare_weights(self, weights: ExpertWeights) -> GroupedWeights:
         weights.validate(self.problem)
-        return weights
+        p, device = self.problem, weights.device
+        return GroupedWeights(
+            weights=weights,
+            expert_map=p.parallel.global_to_local_tensor(p.num_experts, device),
+            group_ids=torch.arange(p.local_num_experts, dtype=torch.int32, device=device),
+            grouped_mm=grouped_mm_serves(p, Platform.detect(device)),
+        )
 
     def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
         p = self.problem
@@ -60,45 +100,47 @@ class TorchGroupedExperts(Experts):
             y=((slots, p.hidden_size), p.dtype),
         )
 
-    def apply(self, dispatched: Dispatched, weights: ExpertWeights, workspace: Workspace) -> ExpertsOutput:
-        p, topk = self.problem, dispatched.topk
-        x = dispatched.x.data
+    def apply(self, dispatched: Dispatched, weights: GroupedWeights, workspace: Workspace) -> ExpertsOutput:
+        p, topk, w = self.problem, dispatched.topk, weights.weights
         num_rows, k = topk.ids.shape
-        to_local = torch.tensor(p.parallel.global_to_local(p.num_experts), device=x.device)
-        local = to_local[topk.ids.long()].flatten()  # [M' * k], -1: not on this rank
-        # experts not on this rank sort last (key E_local) and are cut off by the group offsets
-        order = torch.where(local >= 0, local, p.local_num_experts).argsort(stable=True)
-        counts = torch.bincount(local[local >= 0], minlength=p.local_num_experts)
-        n = int(counts.sum()) if not x.is_cuda else num_rows * k  # host sync only off-GPU
-        rows, sorted_experts = order[:n], local[order[:n]]
-        xs = workspace["x_sorted"][:n]
-        torch.index_select(x, 0, rows // k, out=xs)
-        h = self._gemm(xs, weights.w13.data, counts, sorted_experts, workspace["h"][:n])
-        if weights.b13 is not None:
-            h += weights.b13[sorted_experts.clamp(min=0)].to(h.dtype)
-        a = workspace["a"][:n]
-        a.copy_(p.activation(h.float()))
-        y = self._gemm(a, weights.w2.data, counts, sorted_experts, workspace["y"][:n])
-        if weights.b2 is not None:
-            y += weights.b2[sorted_experts.clamp(min=0)].to(y.dtype)
-        # rows of experts not on this rank (GPU path only) hold garbage: select, never multiply by 0
-        weighted = y.float() * topk.weights.flatten()[rows].unsqueeze(1)
-        weighted = torch.where((sorted_experts >= 0).unsqueeze(1), weighted, 0.0)
+        slots = num_rows * k
         out = workspace["out"][:num_rows]
-        out.zero_()
-        out.index_add_(0, rows // k, weighted)
+        if slots == 0:
+            return ExpertsOutput(OutputKind.REDUCED, out)
+        # 1. slots sorted by local expert, experts elsewhere last (past the last group's end)
+        local = weights.expert_map.index_select(0, topk.ids.flatten())  # int32 [M' * k], -1: elsewhere
+        sorted_key, order = torch.where(local >= 0, local, p.local_num_experts).sort(stable=True)
+        ends = torch.searchsorted(sorted_key, weights.group_ids, right=True, out_int32=True)
+        # each row's expert, to pick its bias (rows of experts elsewhere take the last one's: ignored)
+        experts = sorted_key.clamp(max=p.local_num_experts - 1) if w.has_bias else None
+        x_sorted = workspace["x_sorted"][:slots]
+        torch.index_select(dispatched.x.data, 0, order // k, out=x_sorted)
+        # 2. both GEMMs; the activation between them computes in float32 and rounds once, writing
+        #    into ``a`` (in bf16 throughout, act(gate) rounds before the product: 1.2e-2 from reference
+        #    at the tests' small shapes, past the bf16 bound)
+        h = _gemm(x_sorted, w.w13.data, w.b13, ends, experts, workspace["h"][:slots], weights.grouped_mm)
+        a = p.activation(h.float(), out=workspace["a"][:slots])
+        y = _gemm(a, w.w2.data, w.b2, ends, experts, workspace["y"][:slots], weights.grouped_mm)
+        # 3. back in slot order, weighted, summed over k in float32, in a fixed order (index_add_ would add
+        #    in whatever order its atomics land). No GEMM wrote the rows of experts elsewhere: they hold
+        #    garbage, maybe NaN, so they are zeroed, never multiplied by a zero weight
+        y.masked_fill_((sorted_key == p.local_num_experts).unsqueeze(1), 0)
+        per_slot = x_sorted.index_copy_(0, order, y).view(num_rows, k, p.hidden_size)  # x_sorted is free
+        torch.sum(per_slot * topk.weights.unsqueeze(-1), dim=1, out=out)
         return ExpertsOutput(OutputKind.REDUCED, out)
 
-    @staticmethod
-    def _gemm(x, w, counts, sorted_experts, out):
-        """``out[r] = x[r] @ w[e_r].T`` for rows sorted by expert ``e_r`` (counts per expert)."""
-        if _use_grouped_mm(x):
-            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-            out.copy_(torch._grouped_mm(x, w.transpose(1, 2), offs=offsets))
-            return out
+
+def _gemm(x, w, bias, ends, experts, out, grouped_mm: bool) -> torch.Tensor:
+    """``x[r] @ w[e].T + bias[e]`` for rows sorted by expert, expert e's rows ending at ``ends[e]``;
+    rows past the last end hold garbage. Into ``out`` on the loop path; a new tensor otherwise."""
+    if grouped_mm:
+        out = torch._grouped_mm(x, w.transpose(1, 2), offs=ends)
+    else:
         start = 0
-        for e, count in enumerate(counts.tolist()):
-            if count:
-                torch.mm(x[start : start + count], w[e].T, out=out[start : start + count])
-                start += count
-        return out
+        for e, end in enumerate(ends.tolist()):  # the group ends on the host: a sync on CUDA
+            if end > start:
+                torch.mm(x[start:end], w[e].T, out=out[start:end])
+            start = end
+    if bias is not None:
+        out += bias.index_select(0, experts)
+    return out

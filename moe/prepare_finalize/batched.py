@@ -52,7 +52,8 @@ class BatchedPrepareFinalize(PrepareFinalize):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
             raise MoEConfigError(f"max_tokens_per_expert must be a positive int (got {capacity!r})")
         self.capacity = capacity
-        self._to_local = problem.parallel.global_to_local(problem.num_experts)
+        # the expert map on each device prepare has seen: built on the first call there, not per call
+        self._expert_maps: dict[torch.device, torch.Tensor] = {}
         # scale layout of one row in the activation format: read once off a tiny quantization
         probe = quantize_activations(torch.ones(1, problem.hidden_size, dtype=problem.dtype), problem.quant.activation)
         self._row_layout = probe
@@ -72,12 +73,19 @@ class BatchedPrepareFinalize(PrepareFinalize):
             buffers["x_scale"] = ((e_local, self.capacity, probe.scale.shape[-1]), probe.scale.dtype)
         return WorkspaceShapes.of(**buffers)
 
+    def _expert_map(self, device: torch.device) -> torch.Tensor:
+        """int32 ``[E]`` on ``device``: global id -> local id, -1 elsewhere (copied there once)."""
+        if device not in self._expert_maps:
+            p = self.problem
+            self._expert_maps[device] = p.parallel.global_to_local_tensor(p.num_experts, device)
+        return self._expert_maps[device]
+
     def prepare(
         self, hidden: torch.Tensor, topk: TopK, quantize_to: QuantFormat, workspace: Workspace
     ) -> Dispatched:
         p = self.problem
-        to_local = torch.tensor(self._to_local, device=hidden.device)
-        slot_rows, counts = batch_slots(to_local[topk.ids.long()], p.local_num_experts, self.capacity)
+        slot_rows, counts = batch_slots(self._expert_map(hidden.device)[topk.ids.long()], p.local_num_experts,
+                                        self.capacity)
         largest = int(counts.max()) if counts.numel() else 0
         if largest > self.capacity:
             raise MoEConfigError(

@@ -1,5 +1,6 @@
 """The core path on a CUDA GPU: torch_grouped (torch._grouped_mm on SM90+) and the batched
-prepare/finalize against reference, in bfloat16 at a real model's shape."""
+prepare/finalize against reference, in bfloat16 at a real model's shape; torch_grouped with no host
+sync and through CUDA-graph capture and replay."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import pytest
 import torch
 
 from moe import BatchedPrepareFinalize, FusedMoE, LocalPrepareFinalize, ModularKernel, ReferenceExperts
-from moe.testing import assert_close_moe
+from moe.experts.torch_grouped import TorchGroupedExperts
+from moe.formats import ActivationFormat, Dispatched, DispatchShape
+from moe.platform import Platform
+from moe.problem import MoEProblem, ParallelConfig
+from moe.quant import QuantFormat, QuantizedTensor
+from moe.testing import assert_close_moe, cuda_checks
+from moe.testing.inputs import random_inputs, random_weights
+from moe.workspace import WorkspaceManager
 
 pytestmark = pytest.mark.gpu
 
@@ -40,3 +48,43 @@ def test_batched_prepare_finalize_on_gpu():
     batched = ModularKernel(BatchedPrepareFinalize(p), ReferenceExperts(p), device="cuda")
     out = batched(hidden, layer.router(logits), batched.experts.prepare_weights(layer.weights))
     assert_close_moe(out.float(), layer(hidden, logits).float(), "fp32")
+
+
+# Qwen3-30B-A3B's H, I and k, with fewer experts; "half": every other expert lives on this rank
+HALF_HERE = tuple(e // 2 if e % 2 == 0 else -1 for e in range(32))
+
+
+@pytest.mark.skipif(not Platform.detect().capability_at_least(9), reason="torch._grouped_mm's kernels need SM90+")
+@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("expert_map", [None, HALF_HERE], ids=["all_here", "half_here"])
+def test_torch_grouped_runs_without_host_sync_and_replays_in_a_cuda_graph(tokens, expert_map):
+    parallel = ParallelConfig(expert_map=expert_map) if expert_map else ParallelConfig()
+    p = MoEProblem.create(num_experts=32, top_k=8, hidden_size=2048, intermediate_size=768, quant="bf16",
+                          max_tokens=tokens, parallel=parallel)
+    experts = TorchGroupedExperts(p)
+    weights = random_weights(p, device="cuda")
+    prepared = experts.prepare_weights(weights)
+    assert prepared.grouped_mm
+    hidden, topk = random_inputs(p, tokens, device="cuda")
+    dispatched = Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=hidden, scale=None, fmt=QuantFormat.NONE),
+                            topk)
+    shapes = experts.workspace_shapes(DispatchShape(ActivationFormat.STANDARD, tokens))
+    workspace = WorkspaceManager("cuda").take(shapes)
+    apply = lambda: experts.apply(dispatched, prepared, workspace).out  # noqa: E731
+    apply()  # warm up (cuBLAS / CUTLASS handles) before the sync check
+    eager, error = cuda_checks.host_syncs(apply)
+    assert error is None, f"apply synchronizes with the host: {error}"
+    truth = ModularKernel(LocalPrepareFinalize(p), ReferenceExperts(p), device="cuda")
+    ref = truth(hidden, topk, truth.experts.prepare_weights(weights))
+    assert_close_moe(eager.float(), ref.float(), "bf16")
+
+    def new_inputs():  # the graph reads the same tensors: new routing and activations in place
+        fresh_hidden, fresh_topk = random_inputs(p, tokens, torch.Generator().manual_seed(1), device="cuda")
+        hidden.copy_(fresh_hidden)
+        topk.ids.copy_(fresh_topk.ids)
+        topk.weights.copy_(fresh_topk.weights)
+
+    replayed, error = cuda_checks.capture_and_replay(apply, new_inputs)
+    assert error is None, f"capture or replay failed: {error}"
+    eager_again = experts.apply(dispatched, prepared, WorkspaceManager("cuda").take(shapes)).out
+    assert torch.equal(replayed, eager_again)  # deterministic: replay == eager on the new inputs, bit for bit
