@@ -23,6 +23,11 @@ SOURCES = {  # file -> (list key, fixed preset or None to read each record's), i
     "flashinfer_cutlass_gpt-oss-20b_h200.json": ("records", "gpt-oss-20b"),
     # later files replace earlier measurements of the same backend, scheme, shape and M
     "triton_mxfp4_nvidia-h200.json": ("records", None),  # after the MXFP4 scale-load rework
+    # session 2: TMA weight tiles, the new alignment, the sync-free torch_grouped, FlashInfer at every preset
+    "fp8_block_nvidia-h200.json": ("records", None),
+    "mxfp4_gpt-oss-120b_nvidia-h200.json": ("records", None),
+    "bf16_qwen3_mixtral_nvidia-h200.json": ("records", None),
+    "bf16_gpt-oss_deepseek_nvidia-h200.json": ("records", None),
 }
 
 
