@@ -1,22 +1,18 @@
-"""Times the ``triton`` experts under several launch configs at one M, with the bench's method.
+"""Times the ``triton`` experts under several launch configs at one M, end to end, like the bench.
 
-    python benchmarks/compare_configs.py --preset mixtral-8x7b --tokens 256 \
-        --config '{"block_m": 128, "gemm1": {"block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4}, ...}' \
-        --config table
+    python benchmarks/compare_configs.py --preset mixtral-8x7b --tokens 256 --config table \
+        --config '{"block_m": 128, "gemm1": {"block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4, "tma": true}}'
 
 Each ``--config`` is a `LaunchConfig` as JSON (the tables' format; omitted tile fields take their
-defaults) or ``table`` for what the shipped table picks. The tuner times the two GEMMs apart and
-briefly; this times the whole experts stage (alignment and combine included) like ``python -m moe
-bench`` -- CUDA-graph replays over rotating inputs, a 300 ms budget per config -- so a tuned choice
-can be checked before it is committed. Configs run interleaved, ``--rounds`` times, and the median
-of the rounds is printed, so a clock drift during the run hits every config alike.
+defaults, an omitted ``gemm2`` copies ``gemm1``) or ``table`` for what the shipped table picks. The
+configs take turns, ``--rounds`` times (`moe.tune.time_configs`, the tuner's final round), so a hand
+choice can be checked against the table before it is committed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,18 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe.bench import backend_calls, build_weights, make_inputs, time_calls  # noqa: E402
-from moe.experts._triton import config as cfg  # noqa: E402
-from moe.experts.triton import TritonExperts  # noqa: E402
+from moe.bench import build_weights  # noqa: E402
+from moe.experts._triton.config import LaunchConfig  # noqa: E402
 from moe.presets import load_preset  # noqa: E402
-
-
-def parse_config(text: str) -> cfg.LaunchConfig | None:
-    if text == "table":
-        return None
-    data = json.loads(text)
-    data.setdefault("gemm2", data["gemm1"])
-    return cfg.LaunchConfig.from_dict(data)
+from moe.tune import make_case, time_configs  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,25 +36,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     preset = load_preset(args.preset)
-    problem = preset.problem(quant=args.quant, max_tokens=args.tokens)
-    weights = build_weights(problem, device)
-    inputs = make_inputs(preset, problem, args.tokens, 4, device)
-    configs = [parse_config(c) for c in args.config]
-    table_lookup = cfg.ConfigTable.lookup
-    times: dict[int, list[float]] = {i: [] for i in range(len(configs))}
-    for _ in range(args.rounds):
-        for i, config in enumerate(configs):
-            cfg.ConfigTable.lookup = table_lookup if config is None else (lambda self, m, c=config: c)
-            try:
-                calls = backend_calls(TritonExperts, problem, weights, inputs, device)
-                times[i].append(time_calls(calls, graphs=True))
-            finally:
-                cfg.ConfigTable.lookup = table_lookup
-    for i, config in enumerate(configs):
-        shown = "table: " + repr(table_lookup(TritonExperts(problem).prepare_weights(weights).configs, args.tokens)) \
-            if config is None else repr(config)
-        rounds = " ".join(f"{t:.1f}" for t in times[i])
-        print(f"{statistics.median(times[i]):9.1f} us  (rounds {rounds})  {shown}")
+    weights = build_weights(preset.problem(quant=args.quant, max_tokens=args.tokens), device)
+    case = make_case(preset, args.quant, args.tokens, weights, device)
+    configs = []
+    for text in args.config:
+        if text == "table":
+            configs.append(case.weights.configs.lookup(args.tokens))
+            continue
+        data = json.loads(text)
+        data.setdefault("gemm2", data["gemm1"])
+        configs.append(LaunchConfig.from_dict(data))
+    for us, config, text in zip(time_configs(case, configs, args.rounds), configs, args.config):
+        print(f"{us:9.1f} us  {'table: ' if text == 'table' else ''}{config!r}")
     return 0
 
 

@@ -189,18 +189,20 @@ def traffic(problem, weights, topks: list) -> tuple[float, float]:
 # --- one backend on one case ---------------------------------------------------------------------
 
 
-def backend_calls(cls, problem, weights, inputs, device) -> list:
-    """No-argument functions, one per input set, that run ``cls``'s experts stage."""
+def backend_calls(cls, problem, weights, inputs, device, *, experts=None, prepared=None) -> list:
+    """No-argument functions, one per input set, that run ``cls``'s experts stage (on ``experts`` and
+    its ``prepared`` weights when given: the tuner times one config that way)."""
     from moe.formats import ActivationFormat, DispatchShape
     from moe.kernel import activation_quant
     from moe.prepare_finalize.batched import BatchedPrepareFinalize
     from moe.prepare_finalize.local import LocalPrepareFinalize
     from moe.workspace import WorkspaceManager
 
-    experts = cls(problem)
-    prepared = experts.prepare_weights(weights)
     tokens = inputs[0][0].shape[0]
-    experts.warmup(prepared, (tokens,))  # libraries that autotune pick their tactic for this M here
+    if experts is None:
+        experts = cls(problem)
+        prepared = experts.prepare_weights(weights)
+        experts.warmup(prepared, (tokens,))  # libraries that autotune pick their tactic for this M here
     if ActivationFormat.STANDARD in cls.capabilities.formats:
         prepare = LocalPrepareFinalize(problem)
     else:  # batched: capacity = the largest expert load of these inputs, so buffers stay small

@@ -2,7 +2,8 @@
 
 For each token count M (a bucket), every candidate BLOCK_M is tried; for each, the tiles of the two
 GEMMs are timed separately (CUDA-graph replays, two input sets with different routing rotated so
-the weights are not all cache-hot), and the BLOCK_M whose best pair is fastest wins. All candidate
+the weights are not all cache-hot); the three best plans and the table's current config for M are
+then timed end to end, taking turns, and the fastest wins (so a re-tune never makes a bucket slower). All candidate
 kernels are compiled first, in parallel worker processes, into Triton's on-disk cache. The result
 is one `ConfigTable` file per (shape, scheme, device) in ``moe/experts/_triton/configs/`` (or
 ``--out``), which `TritonExperts` loads at ``prepare_weights``. A progress bar goes to stderr.
@@ -15,6 +16,7 @@ import dataclasses
 import itertools
 import multiprocessing
 import os
+import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -190,7 +192,32 @@ def best_tile(launches: dict, progress: Progress | None) -> tuple[TileConfig | N
     return best, best_us
 
 
-def tune_bucket(case: TuneCase, scheme: str, pool: ProcessPoolExecutor, device, label: str) -> tuple[LaunchConfig, float]:
+def time_configs(case: TuneCase, configs: list[LaunchConfig], rounds: int = 3) -> list[float]:
+    """Median microseconds of the whole experts stage (alignment, both GEMMs, combine) under each
+    config, timed like ``python -m moe bench``; the configs take turns, ``rounds`` times, so a clock
+    drift during the run hits them alike."""
+    from moe.bench import backend_calls, time_calls
+    from moe.experts._triton.config import ConfigTable
+    from moe.experts.triton import TritonExperts
+
+    tokens = case.inputs[0][0].shape[0]
+    device = case.inputs[0][0].device
+    times: list[list[float]] = [[] for _ in configs]
+    for _ in range(rounds):
+        for i, config in enumerate(configs):
+            only = dataclasses.replace(case.weights, configs=ConfigTable(case.weights.configs.key, ((tokens, config),)))
+            calls = backend_calls(TritonExperts, case.problem, None, case.inputs, device,
+                                  experts=case.experts, prepared=only)
+            times[i].append(time_calls(calls, graphs=True))
+    return [statistics.median(t) for t in times]
+
+
+def tune_bucket(case: TuneCase, scheme: str, pool: ProcessPoolExecutor, device, label: str,
+                current: LaunchConfig | None = None, finalists: int = 3) -> tuple[LaunchConfig, float]:
+    """The fastest config for this M: each GEMM's tiles timed apart, per candidate BLOCK_M; then the
+    ``finalists`` best plans and the table's ``current`` one timed end to end (`time_configs`), which
+    decides -- a tile timed alone can rank differently from the whole stage, and a re-tune should
+    never replace a config by one that is slower where it counts."""
     from moe.bench import time_calls
 
     p = case.problem
@@ -204,17 +231,24 @@ def tune_bucket(case: TuneCase, scheme: str, pool: ProcessPoolExecutor, device, 
     specs = distinct_kernels([d for _, a, b, _ in plans for d in (a, b)])
     progress = Progress(len(specs) + sum(len(a) + len(b) for _, a, b, _ in plans), label)
     precompile_all(specs, pool, progress)
-    best = None
+    ranked = []
     for (block_m, direct), first, second, aligns in plans:
         tile1, us1 = best_tile(first, progress)
         tile2, us2 = best_tile(second, progress)
         # the sorted path also pays the alignment: direct has to beat both together
         us = us1 + us2 + (time_calls(aligns, graphs=True, budget_ms=20.0) if aligns else 0.0)
-        if tile1 and tile2 and (best is None or us < best[1]):
-            best = (LaunchConfig(block_m, tile1, tile2, direct), us)
-    if best is None:
+        if tile1 and tile2:
+            ranked.append((us, LaunchConfig(block_m, tile1, tile2, direct)))
+    if not ranked:
         raise RuntimeError(f"no candidate config ran for {label}")
-    return best
+    finals = [c for _, c in sorted(ranked, key=lambda uc: uc[0])[:finalists]]
+    if current is not None and current not in finals:
+        finals.append(current)
+    times = time_configs(case, finals)
+    us, config = min(zip(times, finals), key=lambda tc: tc[0])
+    kept = " (the table's config, kept)" if config == current else ""
+    sys.stderr.write(f"  {label}: end to end {', '.join(f'{t:.1f}' for t in times)} us -> {us:.1f}{kept}\n")
+    return config, us
 
 
 def tune_preset(preset_name: str, quant: str, tokens, out_dir: Path, workers: int) -> Path:
@@ -232,8 +266,8 @@ def tune_preset(preset_name: str, quant: str, tokens, out_dir: Path, workers: in
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         for m in tokens:
             case = make_case(preset, quant, m, weights, device)
-            config, us = tune_bucket(case, quant, pool, device, f"{preset_name} {quant} M={m}")
-            sys.stderr.write(f"  M={m}: {config} ({us:.1f} us for both GEMMs and the alignment)\n")
+            config, us = tune_bucket(case, quant, pool, device, f"{preset_name} {quant} M={m}", configs.get(m))
+            sys.stderr.write(f"  M={m}: {config} ({us:.1f} us for the whole experts stage)\n")
             configs[m] = config
             path = ConfigTable(key, tuple(sorted(configs.items()))).save(out_dir)
     return path  # saved after every bucket, so a run cut short keeps what it found
