@@ -138,8 +138,13 @@ def test_batched(quant):
     assert_close_moe(out[valid].float(), want[valid], regime_for(p))
 
 
-@pytest.mark.parametrize("quant", ["bf16", "fp8"])
-def test_cuda_graph_replay_without_host_sync(quant):
+@pytest.mark.parametrize("quant,tma", [("bf16", False), ("fp8", False), ("bf16", True)])
+def test_cuda_graph_replay_without_host_sync(quant, tma, monkeypatch):
+    if tma:  # the TMA descriptors are kernel arguments built at launch: captured by value
+        from moe.experts._triton import config as cfg
+
+        tile = TileConfig(128, 64, 8, 8, 3, tma=True)
+        monkeypatch.setattr(cfg.ConfigTable, "lookup", lambda self, m: cfg.LaunchConfig(64, tile, tile))
     p = problem(quant, E=32, k=8, H=1024, I=512, max_tokens=300)
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(weights_for(p))
