@@ -5,7 +5,7 @@ Two steps, fused into one program for small inputs and two launches for large on
 1. ``_rank_chunk``: each slot's local expert (through the expert map) and its rank among the slots
    of that expert, by an atomic increment of the expert's counter. Ranks depend on the order the
    atomics land in, but each row of a GEMM tile is computed independently, so results do not.
-2. ``_place_chunk``: counts -> each expert's padded segment (an exclusive scan over the experts, in
+2. ``_segments`` + ``_place``: counts -> each expert's padded segment (an exclusive scan over the experts, in
    registers: every program computes it, no launch of its own), then
    ``sorted_slots[segment_start[expert] + rank] = slot``; program 0 also stores the padded ends.
 

@@ -3,7 +3,8 @@
 One kernel serves both GEMMs and both activation formats; constexpr switches pick the variant:
 
 - ``ROWS``: 0 walks `BlockLayout` blocks (standard format; A row = slot // A_ROW_DIV, output row =
-  slot; a block's expert and valid rows come from the experts' padded ends and counts); 1: batched, rows ``expert * T + m`` for ``m < tokens_per_expert[expert]``; 2: direct, one
+  slot; a block's expert and valid rows come from the experts' padded ends and counts); 1: batched,
+  rows ``expert * T + m`` for ``m < tokens_per_expert[expert]``; 2: direct, one
   slot per program, its expert read from the top-k ids (and the expert map when ``HAS_MAP``) --
   decode, where sorting costs more than the weights a repeated expert would re-read.
 - ``GATED``: the program computes BLOCK_N columns of both halves of w13 (gate rows n, up rows I + n)
