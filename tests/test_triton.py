@@ -32,9 +32,15 @@ from moe.experts._triton.rows import (  # noqa: E402
     quantize_fp8_rows,
     quantize_fp8_rows_reference,
 )
-from moe.experts._triton.gemm import BatchedRows, grouped_gemm, weight_descriptor  # noqa: E402
+from moe.experts._triton.gemm import BatchedRows, grouped_gemm  # noqa: E402
 from moe.errors import MoEConfigError  # noqa: E402
-from moe.experts._triton.weights import mxfp4_half_split, mxfp4_scale_words, to_operand  # noqa: E402
+from moe.experts._triton.support import config_key  # noqa: E402
+from moe.experts._triton.weights import (  # noqa: E402
+    mxfp4_half_split,
+    mxfp4_scale_words,
+    prepare_triton_weights,
+    to_operand,
+)
 from moe.experts.reference import ReferenceExperts  # noqa: E402
 from moe.experts.triton import TritonExperts  # noqa: E402
 from moe.experts.triton_batched import TritonBatchedExperts  # noqa: E402
@@ -143,10 +149,23 @@ def test_standard_tma_weight_tiles(quant, sizes, gated, monkeypatch):
 
 def test_tma_weight_tiles_refuse_mxfp4():
     p = make_problem("mxfp4")
-    tile = cfg.TileConfig(32, 64, tma=True)
     w = TritonExperts(p).prepare_weights(make_weights(p)).w13
     with pytest.raises(MoEConfigError, match="tma=True needs contiguous dense or fp8 weights.*mxfp4"):
-        weight_descriptor(w, tile)
+        w.descriptor(32, 64)
+    # a table asking for TMA tiles on MXFP4 weights fails at load, not at the first forward
+    tma = cfg.LaunchConfig(16, cfg.TileConfig(32, 64, tma=True), cfg.TileConfig(32, 64))
+    table = cfg.ConfigTable(config_key(p, "standard", torch.device("cpu")), ((1, tma),))
+    with pytest.raises(MoEConfigError, match="tma=True needs"):
+        prepare_triton_weights(make_weights(p), None, table)
+
+
+def test_tma_descriptors_are_built_at_load_once():
+    p = make_problem("fp16")
+    tma = cfg.LaunchConfig(16, cfg.TileConfig(32, 64, tma=True), cfg.TileConfig(64, 32, tma=True))
+    table = cfg.ConfigTable(config_key(p, "standard", torch.device("cpu")), ((1, tma),))
+    prepared = prepare_triton_weights(make_weights(p), None, table)
+    assert set(prepared.w13.descriptors) == {(32, 64)} and set(prepared.w2.descriptors) == {(64, 32)}
+    assert prepared.w13.descriptor(32, 64) is prepared.w13.descriptors[(32, 64)]
 
 
 def test_standard_fp32_odd_sizes():

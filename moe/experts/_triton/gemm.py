@@ -18,7 +18,6 @@ from moe.experts._triton import kernels
 from moe.experts._triton.align import BlockLayout, experts_pad
 from moe.experts._triton.config import TileConfig
 from moe.experts._triton.weights import WeightOperand
-from moe.errors import MoEConfigError
 from moe.quant import QuantFormat
 
 QUANT_CODES = {
@@ -96,18 +95,6 @@ def precompile(spec: tuple) -> str | None:
     return None
 
 
-def weight_descriptor(w: WeightOperand, tile: TileConfig):
-    """A TMA descriptor of ``w``'s data as ``[E * R, K]`` with ``[BLOCK_N, BLOCK_K]`` blocks."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    data = w.data
-    if w.fmt is QuantFormat.MXFP4 or not data.is_contiguous() or (data.shape[-1] * data.element_size()) % 16:
-        raise MoEConfigError(f"tma=True needs contiguous dense or fp8 weights with 16-byte rows (got {w.fmt.value}, "
-                             f"shape {tuple(data.shape)}, {data.dtype}); use tma=False for this scheme")
-    rows = data.shape[0] * data.shape[1]
-    return TensorDescriptor(data, [rows, data.shape[2]], [data.shape[2], 1], [tile.block_n, tile.block_k])
-
-
 def gemm_launch(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
@@ -147,7 +134,8 @@ def gemm_launch(
     params = (act.alpha, act.beta, act.limit) if act is not None and act.alpha is not None else (0.0, 0.0, 0.0)
     dummy = w.data  # stands in for absent scales/biases; never read
     args = (
-        a, a_scale if a_scale is not None else dummy, w.data, weight_descriptor(w, tile) if tile.tma else dummy,
+        a, a_scale if a_scale is not None else dummy, w.data,
+        w.descriptor(tile.block_n, tile.block_k) if tile.tma else dummy,
         w.scale if w.scale is not None else dummy, w.bias if w.bias is not None else dummy, out,
         *sorted_args,
         num_m_blocks, num_slots, per_expert, num_experts, n_out, k, w.data.shape[1],

@@ -15,11 +15,12 @@ Only MXFP4 changes layout (biases and the other formats keep the canonical one):
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from moe.experts._triton.config import ConfigTable
+from moe.errors import MoEConfigError
 from moe.quant import QuantFormat
 from moe.weights import ExpertWeights
 
@@ -36,10 +37,29 @@ class WeightOperand:
     scale: torch.Tensor | None
     bias: torch.Tensor | None  # fp32 [E, N]
     fmt: QuantFormat
+    # TMA descriptors of ``data`` by (BLOCK_N, BLOCK_K), built once (`descriptor`): not per launch
+    descriptors: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def k(self) -> int:
         return self.data.shape[-1] * (2 if self.fmt is QuantFormat.MXFP4 else 1)
+
+    def descriptor(self, block_n: int, block_k: int):
+        """A TMA descriptor of ``data`` as ``[E * R, K]`` with ``[block_n, block_k]`` blocks, made on
+        the first request and kept (the weights do not move)."""
+        key = (block_n, block_k)
+        if key not in self.descriptors:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            data = self.data
+            if self.fmt is QuantFormat.MXFP4 or not data.is_contiguous() or (data.shape[-1] * data.element_size()) % 16:
+                raise MoEConfigError(
+                    f"tma=True needs contiguous dense or fp8 weights with 16-byte rows (got {self.fmt.value}, "
+                    f"shape {tuple(data.shape)}, {data.dtype}); use tma=False for this scheme")
+            rows = data.shape[0] * data.shape[1]
+            self.descriptors[key] = TensorDescriptor(data, [rows, data.shape[2]], [data.shape[2], 1],
+                                                     [block_n, block_k])
+        return self.descriptors[key]
 
 
 @dataclass(frozen=True)
@@ -84,9 +104,9 @@ def prepare_triton_weights(
     device = weights.device
     identity = expert_map is None or expert_map == list(range(len(expert_map)))
     map_tensor = None if identity else torch.tensor(expert_map, dtype=torch.int32, device=device)
-    return TritonWeights(
-        w13=to_operand(weights.w13, weights.b13),
-        w2=to_operand(weights.w2, weights.b2),
-        expert_map=map_tensor,
-        configs=configs,
-    )
+    w13, w2 = to_operand(weights.w13, weights.b13), to_operand(weights.w2, weights.b2)
+    for _, config in configs.configs:  # the table's TMA tiles: descriptors (and their checks) at load
+        for operand, tile in ((w13, config.gemm1), (w2, config.gemm2)):
+            if tile.tma:
+                operand.descriptor(tile.block_n, tile.block_k)
+    return TritonWeights(w13=w13, w2=w2, expert_map=map_tensor, configs=configs)
