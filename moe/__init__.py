@@ -10,7 +10,16 @@ non-gated activations), ``w2 [E, H, I]`` the second's; ``topk_ids`` / ``topk_wei
       -> out [M, H]
 """
 
-from moe.activation import Activation, ActivationKind
+import warnings
+
+# torch's CPU wheel does not require numpy but warns at import when it is missing; `moe` never uses
+# numpy, so the base install (torch + pyyaml) stays quiet. Scoped to this one import: a program that
+# imported torch first has already seen the warning, and no other warning is touched.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch  # noqa: F401
+
+from moe.activation import Activation, ActivationKind  # noqa: E402
 from moe.errors import MoEConfigError, MoEError, UnsupportedError, WorkspaceError
 from moe.experts import Capabilities, Experts, ReferenceExperts, TorchGroupedExperts
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind

@@ -13,14 +13,20 @@ Layout, one concept per module; each launcher module holds the launcher and its 
 
 The kernels run on CUDA GPUs (SM80+; fp8 needs SM89+) and, slowly, on CPU tensors under
 ``TRITON_INTERPRET=1`` (tests use float16/float32 there: the interpreter gets bfloat16 wrong).
+
+The launcher modules import no Triton at module load (``import moe`` must work without it): the
+jit modules load at the first launch, and the launchers' integer helpers are the two below.
 """
 
-import os
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints (``triton.cdiv``, without importing triton)."""
+    return -(-a // b)
 
 
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for n <= 1), as ``triton.next_power_of_2``."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def kernels(name: str):

@@ -23,9 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from moe.experts._triton import kernels
+from moe.experts._triton import cdiv, kernels, next_power_of_2
 
 # Up to this many slots (M * k), one program does everything, its slots in one chunk of registers:
 # a second launch costs more than the work.
@@ -51,12 +50,12 @@ class BlockLayout:
 
 def max_blocks(num_slots: int, num_local: int, block_m: int) -> int:
     """Upper bound on the blocks: each non-empty expert wastes less than one block."""
-    return triton.cdiv(num_slots, block_m) + min(num_local, num_slots)
+    return cdiv(num_slots, block_m) + min(num_local, num_slots)
 
 
 def experts_pad(num_local: int) -> int:
     """The power of two the kernels hold the per-expert vectors in."""
-    return triton.next_power_of_2(max(num_local, 2))
+    return next_power_of_2(max(num_local, 2))
 
 
 def workspace_buffers(num_slots: int, num_local: int, block_ms: tuple[int, ...]) -> dict:
@@ -97,14 +96,14 @@ def align_block_size(
     map_arg = expert_map if has_map else ids  # any tensor: never read without HAS_MAP
     counts, ends, e_pad = layout.expert_counts, layout.expert_ends, experts_pad(num_local)
     if num_slots <= FUSED_MAX_SLOTS:
-        chunk = triton.next_power_of_2(max(num_slots, 16))
+        chunk = next_power_of_2(max(num_slots, 16))
         _align.align_fused_kernel[(1,)](
             ids, map_arg, counts, layout.local_ids, layout.sorted_slots, ends, num_slots, num_local,
             HAS_MAP=has_map, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, num_warps=4 if chunk <= 1024 else 8,
         )
         return layout
     counts.zero_()
-    grid = (triton.cdiv(num_slots, _CHUNK),)
+    grid = (cdiv(num_slots, _CHUNK),)
     _align.rank_kernel[grid](ids, map_arg, counts, layout.local_ids, workspace["ranks"], num_slots,
                              HAS_MAP=has_map, CHUNK=_CHUNK, num_warps=4)
     _align.place_kernel[grid](counts, layout.local_ids, workspace["ranks"], layout.sorted_slots, ends,
@@ -128,6 +127,6 @@ def align_block_size_reference(
         slots = (local == e).nonzero().squeeze(1)
         sorted_slots[position : position + slots.numel()] = slots.to(torch.int32)
         counts[e] = slots.numel()
-        position += triton.cdiv(slots.numel(), block_m) * block_m
+        position += cdiv(slots.numel(), block_m) * block_m
         ends[e] = position
     return BlockLayout(sorted_slots, counts, ends, local.to(torch.int32), block_m)

@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from moe.activation import Activation, ActivationKind
-from moe.experts._triton import kernels
+from moe.experts._triton import cdiv, kernels, next_power_of_2
 from moe.experts._triton.align import BlockLayout, experts_pad
 from moe.experts._triton.config import TileConfig
 from moe.experts._triton.weights import WeightOperand
@@ -109,7 +108,7 @@ def gemm_launch(
     gated = activation is not None and activation.is_gated
     n_out = out.shape[-1]
     k = w.k
-    n_tiles = triton.cdiv(n_out, tile.block_n)
+    n_tiles = cdiv(n_out, tile.block_n)
     has_map, num_experts = False, 0
     if isinstance(rows, SortedRows):
         layout = rows.layout
@@ -126,7 +125,7 @@ def gemm_launch(
         sorted_args = (rows.topk_ids, emap, rows.topk_ids, rows.topk_ids)
         num_slots, per_expert, a_row_div, mode = num_m_blocks, 1, rows.a_row_div, 2
     else:
-        num_m_blocks = triton.cdiv(rows.rows_per_expert, block_m)
+        num_m_blocks = cdiv(rows.rows_per_expert, block_m)
         grid = (num_m_blocks * n_tiles, rows.counts.numel())
         sorted_args = (rows.counts, rows.counts, rows.counts, rows.counts)
         num_slots, per_expert, a_row_div, mode = 0, rows.rows_per_expert, 1, 1

@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from moe.experts._triton import kernels
+from moe.experts._triton import cdiv, kernels, next_power_of_2
 from moe.quant import QuantFormat, QuantizedTensor, dequantize, quantize
 
 FP8_MODES = {QuantFormat.FP8_TENSOR: 1, QuantFormat.FP8_ROW: 2, QuantFormat.FP8_BLOCK: 3}
@@ -62,7 +61,7 @@ def fp8_scale_shape(fmt: QuantFormat, rows: int, k: int) -> tuple[int, ...]:
         return ()
     if fmt is QuantFormat.FP8_ROW:
         return (rows, 1)
-    return (rows, triton.cdiv(k, GROUP))
+    return (rows, cdiv(k, GROUP))
 
 
 def quantize_fp8_rows(
@@ -82,8 +81,8 @@ def quantize_fp8_rows(
     rows, k = x.shape
     mode = FP8_MODES[fmt]
     valid_ptr, map_ptr, rows_per_expert, valid_mode = validity.kernel_args(x)
-    grid = (triton.cdiv(rows, _BLOCK_R),)
-    block_k = GROUP if fmt is QuantFormat.FP8_BLOCK else min(256, triton.next_power_of_2(k))
+    grid = (cdiv(rows, _BLOCK_R),)
+    block_k = GROUP if fmt is QuantFormat.FP8_BLOCK else min(256, next_power_of_2(k))
     if fmt is QuantFormat.FP8_TENSOR:
         amax.zero_()
         _rows.amax_kernel[grid](x, amax, valid_ptr, map_ptr, rows, k, rows_per_expert, x.stride(0),
@@ -117,8 +116,8 @@ def combine_slots(
     _rows = kernels("rows")
     num_tokens, top_k = topk_weights.shape
     hidden = out.shape[1]
-    block_h = min(1024, triton.next_power_of_2(hidden))
-    grid = (num_tokens, triton.cdiv(hidden, block_h))
+    block_h = min(1024, next_power_of_2(hidden))
+    grid = (num_tokens, cdiv(hidden, block_h))
     check = expert_map is not None
     _rows.combine_kernel[grid](
         y, topk_weights, topk_ids, expert_map if check else topk_ids, out, hidden, y.stride(0), out.stride(0),
