@@ -144,7 +144,15 @@ class Platform:
 
 
 def _installed_libraries() -> frozenset[str]:
-    return frozenset(n for n in LIBRARIES if importlib.util.find_spec(n) is not None)
+    return frozenset(n for n in LIBRARIES if _importable(n))
+
+
+def _importable(module: str) -> bool:
+    """True when ``module`` can be found; a finder that refuses it (raises) counts as missing."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _installed_versions() -> tuple[tuple[str, str], ...]:
