@@ -16,16 +16,25 @@ import torch
 from moe.errors import MoEConfigError
 from moe.experts.base import Experts
 from moe.formats import ActivationFormat, Dispatched, OutputKind
+from moe.platform import Platform
 from moe.prepare_finalize.base import PrepareFinalize
 from moe.quant import QuantFormat, QuantizedTensor
-from moe.router import TopK
+from moe.router import Router, TopK
 from moe.workspace import Workspace, WorkspaceManager, WorkspaceShapes
 
 _PREPARE, _EXPERTS = "prepare_finalize.", "experts."
 
 
-def composition_problems(prepare_finalize: PrepareFinalize, experts: Experts) -> list[str]:
-    """Every reason the two halves cannot work together; empty when they can."""
+def composition_problems(
+    prepare_finalize: PrepareFinalize, experts: Experts, platform: Platform | None
+) -> list[str]:
+    """Every reason the two halves cannot work together on ``platform``; empty when they can.
+
+    ``platform=None`` checks the declarations only (what the conformance kit asks of a format);
+    a kernel that will run always passes its platform, so a backend that would compute wrongly or
+    not at all there (Triton's CPU interpreter with bfloat16, a CUDA-only kernel on a CPU) is refused
+    when it is composed.
+    """
     pf, cap = prepare_finalize, experts.capabilities
     problems = []
     if pf.problem != experts.problem:
@@ -38,7 +47,9 @@ def composition_problems(prepare_finalize: PrepareFinalize, experts: Experts) ->
     wanted = activation_quant(experts)
     if wanted is not QuantFormat.NONE and wanted not in pf.quant_formats:
         problems.append(f"{experts.name} wants {wanted.value} activations, which {pf.name} cannot produce")
-    problems += [f"{pf.name}: {r}" for r in pf.check(pf.problem, None)]
+    problems += [f"{pf.name}: {r}" for r in pf.check(pf.problem, platform)]
+    if platform is not None:
+        problems += [f"{experts.name} on {platform.name}: {r}" for r in experts.check(experts.problem, platform)]
     return problems
 
 
@@ -50,10 +61,22 @@ def activation_quant(experts: Experts) -> QuantFormat:
 
 
 class ModularKernel:
-    """``ModularKernel(LocalPrepareFinalize(p), TritonExperts(p), device="cuda")``."""
+    """``ModularKernel(LocalPrepareFinalize(p), TritonExperts(p), device="cuda")``.
 
-    def __init__(self, prepare_finalize: PrepareFinalize, experts: Experts, *, device: torch.device | str = "cpu"):
-        problems = composition_problems(prepare_finalize, experts)
+    Composition is checked against ``platform``: the detected platform of ``device`` unless one is given
+    (a simulated one, as the oracle passes the platform it planned for).
+    """
+
+    def __init__(
+        self,
+        prepare_finalize: PrepareFinalize,
+        experts: Experts,
+        *,
+        device: torch.device | str = "cpu",
+        platform: Platform | None = None,
+    ):
+        self.platform = Platform.detect(device) if platform is None else platform
+        problems = composition_problems(prepare_finalize, experts, self.platform)
         if problems:
             raise MoEConfigError(
                 f"cannot compose {prepare_finalize.name} with {experts.name}:\n"

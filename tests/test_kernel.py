@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -235,3 +237,37 @@ def test_routing_fused_into_the_experts_matches_the_router_path():
     assert _RoutesFromLogits.calls == before + 1
     with pytest.raises(MoEConfigError, match=r"router_logits must be \[M, num_experts\] = \[7, 6\]"):
         kernel.forward_logits(hidden, logits[:, :5], softmax, weights)
+
+
+def test_composition_checks_the_platform_the_kernel_runs_on(monkeypatch):
+    """Triton's CPU interpreter computes bfloat16 wrongly (values off by 1e10): a bf16 Triton kernel
+    composed by hand on a CPU is refused with that reason instead of running."""
+    from moe.experts import TritonExperts
+    from moe.platform import TRITON_INTERPRETER, Platform
+
+    interpreter = Platform.cpu().with_libraries(add=("triton",))
+    interpreter = dataclasses.replace(interpreter, features=interpreter.features | {TRITON_INTERPRETER})
+    monkeypatch.setattr(Platform, "detect", classmethod(lambda cls, device=None: interpreter))
+    p = make_problem(dtype=torch.bfloat16, quant="bf16")
+    with pytest.raises(MoEConfigError, match=r"triton on cpu: Triton's CPU interpreter computes bfloat16 wrongly"):
+        ModularKernel(LocalPrepareFinalize(p), TritonExperts(p))
+    # float16 is computed right there, so it composes
+    p16 = make_problem(dtype=torch.float16, quant="fp16")
+    assert ModularKernel(LocalPrepareFinalize(p16), TritonExperts(p16)).platform is interpreter
+
+
+def test_composition_refuses_a_cuda_only_backend_on_a_cpu():
+    from moe.experts import FlashInferCutlassExperts
+
+    p = make_problem(dtype=torch.bfloat16, quant="bf16", hidden_size=128, intermediate_size=128)
+    with pytest.raises(MoEConfigError, match=r"flashinfer_cutlass on cpu: runs on \['cuda'\], not cpu"):
+        ModularKernel(LocalPrepareFinalize(p), FlashInferCutlassExperts(p), device="cpu")
+
+
+def test_composition_takes_a_simulated_platform():
+    from moe.experts import FlashInferCutlassExperts
+    from moe.platform import Platform
+
+    p = make_problem(dtype=torch.bfloat16, quant="bf16", hidden_size=128, intermediate_size=128)
+    kernel = ModularKernel(LocalPrepareFinalize(p), FlashInferCutlassExperts(p), platform=Platform.preset("h100"))
+    assert kernel.workspace_bytes(4) > 0

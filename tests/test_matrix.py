@@ -49,7 +49,7 @@ def _cases():
                         problem = make_problem(pair[0], quant=_scheme(pair), activation=act.value, has_bias=has_bias)
                         if ex_cls.check(problem, PLATFORM) or pf_cls.check(problem, PLATFORM):
                             continue
-                        if composition_problems(pf_cls(problem), ex_cls(problem)):
+                        if composition_problems(pf_cls(problem), ex_cls(problem), PLATFORM):
                             continue
                         yield pytest.param(pf_name, ex_name, problem,
                                            id=f"{pf_name}-{ex_name}-{SCHEME_OF_PAIR[pair]}-{act.value}-bias{int(has_bias)}")

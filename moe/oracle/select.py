@@ -128,7 +128,7 @@ class Plan:
         for pair in self.pairs():
             sub = self.member_problem(pair)
             pf, experts = self.classes[PREPARE_FINALIZE][pair.prepare_finalize], self.classes[EXPERTS][pair.experts]
-            kernel = ModularKernel(pf(sub), experts(sub), device=device)
+            kernel = ModularKernel(pf(sub), experts(sub), device=device, platform=self.platform)
             kernel.workspace = manager  # the members never run at once: one buffer serves them all
             kernels[pair] = kernel
         return kernels
@@ -234,7 +234,8 @@ def _compose(problem: MoEProblem, classes: dict, reasons: dict) -> tuple[dict[Pa
     alive = {kind: [n for n, r in reasons[kind].items() if not r] for kind in reasons}
     experts = {n: _Declared(classes[EXPERTS][n], problem) for n in alive[EXPERTS]}
     pfs = {n: _Declared(classes[PREPARE_FINALIZE][n], problem) for n in alive[PREPARE_FINALIZE]}
-    problems = {Pair(f, e): composition_problems(pfs[f], experts[e]) for e in experts for f in pfs}
+    # each class was checked on the platform already: the pairs are checked for their declarations only
+    problems = {Pair(f, e): composition_problems(pfs[f], experts[e], None) for e in experts for f in pfs}
     pairs = {pair: (pfs[pair.prepare_finalize], experts[pair.experts]) for pair, found in problems.items() if not found}
     unpaired: dict[str, dict[str, tuple[str, ...]]] = {EXPERTS: {}, PREPARE_FINALIZE: {}}
     for kind, names, other in ((EXPERTS, experts, "prepare/finalize"), (PREPARE_FINALIZE, pfs, "experts")):
@@ -287,6 +288,6 @@ def _member_workspace_bytes(result: Plan, pair: Pair) -> int:
     sub = result.member_problem(pair)
     pf_cls, experts_cls = result.classes[PREPARE_FINALIZE][pair.prepare_finalize], result.classes[EXPERTS][pair.experts]
     if sub.parallel.ep_size == 1:
-        return ModularKernel(pf_cls(sub), experts_cls(sub)).workspace_bytes()
+        return ModularKernel(pf_cls(sub), experts_cls(sub), platform=result.platform).workspace_bytes()
     rows = sub.max_tokens * sub.parallel.ep_size
     return experts_cls(sub).workspace_shapes(DispatchShape(pf_cls.format, rows)).nbytes

@@ -27,7 +27,7 @@ from moe.activation import ActivationKind
 from moe.errors import MoEConfigError, UnsupportedError
 from moe.experts.base import ALL_DTYPES, Capabilities, Experts
 from moe.formats import ActivationFormat, OutputKind
-from moe.kernel import ModularKernel
+from moe.kernel import ModularKernel, composition_problems
 from moe.platform import Platform
 from moe.prepare_finalize.base import PrepareFinalize
 from moe.quant import SCHEME_PAIRS, QuantFormat
@@ -165,6 +165,12 @@ def _format_exclusion(experts_cls, case: ExclusionCase, result: CaseResult, fail
         result.runs = 0
         return result  # the base problem is not served at all: nothing to compose
     pf = PREPARE_FINALIZE_FOR[case.format](case.problem)
+    # the declarations alone must refuse the format (on a CPU a CUDA-only class is refused for its
+    # device too, which would hide a wrong format declaration)
+    if not composition_problems(pf, experts_cls(case.problem), None):
+        fail(f"composing with {pf.name} ({case.format.value} format) passes the checks although the capabilities declare "
+             f"formats {sorted(f.value for f in experts_cls.capabilities.formats)}")
+        return result
     try:
         ModularKernel(pf, experts_cls(case.problem))
     except MoEConfigError:
@@ -172,7 +178,6 @@ def _format_exclusion(experts_cls, case: ExclusionCase, result: CaseResult, fail
     except Exception as error:  # noqa: BLE001
         fail(f"composing with {pf.name} raised {describe_exception(error)}; expected MoEConfigError")
         return result
-    fail(f"composing with {pf.name} ({case.format.value} format) succeeded although the capabilities declare "
-         f"formats {sorted(f.value for f in experts_cls.capabilities.formats)}")
+    fail(f"composing with {pf.name} reported problems but ModularKernel raised nothing")
     return result
 
