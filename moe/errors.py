@@ -30,3 +30,7 @@ class UnsupportedError(MoEError, NotImplementedError):
 
 class WorkspaceError(MoEError, RuntimeError):
     """A request for workspace that a locked WorkspaceManager cannot satisfy."""
+
+
+class SlowPathWarning(UserWarning):
+    """A layer on a GPU that only the reference experts can serve (``moe.oracle.slow_path``)."""

@@ -12,14 +12,16 @@ force one backend (``experts=``, ``MOE_EXPERTS``, a policy) where that matters.
 from __future__ import annotations
 
 import bisect
+import warnings
 from typing import Any, Mapping
 
 import torch
 
-from moe.errors import MoEConfigError
+from moe.errors import MoEConfigError, SlowPathWarning
 from moe.kernel import ModularKernel
 from moe.loaders import load_experts, requantize
 from moe.oracle import Plan, Policy, plan
+from moe.oracle.slow_path import slow_path
 from moe.parallel import shard_weights
 from moe.platform import Platform
 from moe.problem import MoEProblem, ParallelConfig
@@ -79,6 +81,7 @@ class FusedMoE(torch.nn.Module):
         self.router = Router(routing, num_experts, top_k, **_on_device(routing_options, self.device))
         self.platform = Platform.detect(self.device) if platform is None else platform
         self.plan: Plan = plan(self.problem, self.platform, _policy(policy, experts))
+        _warn_if_slow(self.plan)
         self.kernels: dict = self.plan.build_kernels(self.device)  # Pair -> ModularKernel
         # per call: the bucket's upper edges and, for each bucket, its kernel
         self._edges = [b.high for b in self.plan.buckets]
@@ -158,6 +161,14 @@ class FusedMoE(torch.nn.Module):
             return kernel.forward_logits(hidden_states, router_logits, self.router, prepared, shared_output=shared_output)
         return kernel.forward(hidden_states, self.router(router_logits), prepared, validate=False,
                               shared_output=shared_output)
+
+
+def _warn_if_slow(layer_plan: Plan) -> None:
+    """One SlowPathWarning when only the reference experts serve some bucket on a GPU (the same text
+    from the same line is shown once per process: a model of many equal layers warns once)."""
+    found = slow_path(layer_plan)
+    if found is not None:
+        warnings.warn(found.message(), SlowPathWarning, stacklevel=3)
 
 
 def _policy(policy: Policy | None, experts: str | None) -> Policy:

@@ -178,7 +178,11 @@ def test_plan_properties(platform_name, preset, quant, activation, ep, remove):
     for c in result.candidates:
         assert len(re.findall(rf"^  {c.kind:<17} {re.escape(c.name)} ", candidates, re.M)) == 1, c.name
     data = json.loads(json.dumps(result.to_json()))
-    assert set(data) == {"plan", "rejected", "workspace_bytes", "platform"}
+    assert set(data) == {"plan", "rejected", "workspace_bytes", "platform", "slow_path"}
+    # a slow path is exactly a GPU bucket served by the reference experts, and then it says why
+    slow = [row["slow_path"] for row in data["plan"]]
+    assert slow == [platform.is_cuda and row["experts"] == "reference" for row in data["plan"]]
+    assert (data["slow_path"] is not None) == any(slow)
     assert data["rejected"] == {c.name: list(c.reasons) for c in result.candidates if c.reasons}
     # forcing a rejected experts backend raises with its own reasons
     unusable = next((n for n, cls in experts.items() if cls.check(problem, platform)), None)

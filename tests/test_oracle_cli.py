@@ -38,11 +38,12 @@ def test_json_is_exactly_one_object(capsys, backends):
     code, out = run(capsys, "--platform", "b200", "--preset", "deepseek-v3", "--quant", "nvfp4",
                     "--activation", "silu", "--tokens", "1", "64", "--json")
     data = json.loads(out)  # the whole output is one JSON document
-    assert code == 0 and set(data) == {"plan", "rejected", "workspace_bytes", "platform"}
+    assert code == 0 and set(data) == {"plan", "rejected", "workspace_bytes", "platform", "slow_path"}
     assert data["platform"] == "b200" and isinstance(data["workspace_bytes"], int) and data["workspace_bytes"] > 0
     assert [row["tokens"] for row in data["plan"]] == [[1, 1], [2, 64]]
     for row in data["plan"]:
-        assert set(row) == {"tokens", "experts", "prepare_finalize", "estimated_us"}
+        assert set(row) == {"tokens", "experts", "prepare_finalize", "estimated_us", "slow_path"}
+        assert row["slow_path"] is False
         assert row["experts"].startswith("flashinfer_") and row["prepare_finalize"] == "local"
     assert any("quant nvfp4" in r for r in data["rejected"]["torch_grouped"])
 
@@ -98,7 +99,8 @@ def test_explain_warns_when_only_reference_serves_a_gpu(capsys):
     assert main(["plan", "--platform", "h100", "--preset", "deepseek-v3", "--quant", "nvfp4",
                  "--activation", "silu", "--explain"]) == 0
     out = capsys.readouterr().out
-    assert "warning    only the reference experts serve" in out
+    assert "slow path: no kernel serves nvfp4 on h100" in out and "SLOW PATH" in out
     assert main(["plan", "--platform", "b200", "--preset", "deepseek-v3", "--quant", "nvfp4",
                  "--activation", "silu", "--explain"]) == 0
-    assert "only the reference experts" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "slow path" not in out and "SLOW PATH" not in out

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from moe.oracle.cost import roofline
+from moe.oracle.slow_path import slow_buckets, slow_path
 
 if TYPE_CHECKING:
     from moe.oracle.select import Bucket, Plan, Scored
@@ -62,18 +63,19 @@ def render_table(plan: "Plan") -> str:
         return "\n".join(lines)
     lines.append(f"{'tokens':<12} {'chosen (prepare/finalize + experts)':<36} {'est. us':>10}   "
                  f"{'runner-up':<36} {'est. us':>10}")
+    slow = slow_buckets(plan)
     for b in plan.buckets:
         mark = "  (preferred by policy)" if b.preferred else ""
+        mark += "  SLOW PATH" if b in slow else ""
         lines.append(f"{_tokens(b):<12} {_scored(b.chosen)}   {_scored(b.runner_up)}{mark}")
     members = len(plan.pairs())
     share = ("; experts' share only: an all-to-all sizes its own buffers when built, with the process group"
              if plan.problem.parallel.ep_size > 1 else "")
     lines.append(f"workspace  {plan.workspace_bytes:,} bytes (the largest of {members} kernel"
                  f"{'s' if members > 1 else ''}, each sized for the largest bucket it serves{share})")
-    if plan.platform.is_cuda and any(b.chosen.pair.experts == "reference" for b in plan.buckets):
-        lines.append("warning    only the reference experts serve some buckets on this GPU: they are the "
-                     "correctness oracle (float32, dequantized weights), orders of magnitude slower than a "
-                     "kernel; see the rejected candidates for what would make a fast backend eligible")
+    found = slow_path(plan)
+    if found is not None:
+        lines += ["", found.message()]
     return "\n".join(lines)
 
 
@@ -117,13 +119,17 @@ def render(plan: "Plan") -> str:
 
 def as_json(plan: "Plan") -> dict:
     """``{"plan": [{"tokens": [lo, hi], "experts", "prepare_finalize", "estimated_us"}], "rejected",
-    "workspace_bytes", "platform"}``."""
+    "workspace_bytes", "platform", "slow_path"}``; a bucket's ``slow_path`` is true where the reference
+    experts serve it on a GPU, and the top-level ``slow_path`` then says why and what would serve."""
+    slow, found = slow_buckets(plan), slow_path(plan)
     return {
         "plan": [
             {"tokens": [b.low, b.high], "experts": b.chosen.pair.experts,
-             "prepare_finalize": b.chosen.pair.prepare_finalize, "estimated_us": round(b.chosen.us, 3)}
+             "prepare_finalize": b.chosen.pair.prepare_finalize, "estimated_us": round(b.chosen.us, 3),
+             "slow_path": b in slow}
             for b in plan.buckets
         ],
+        "slow_path": None if found is None else found.message(),
         "rejected": {c.name: list(c.reasons) for c in plan.candidates if c.reasons},
         "workspace_bytes": plan.workspace_bytes,
         "platform": plan.platform.name,

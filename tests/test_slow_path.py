@@ -1,0 +1,91 @@
+"""No silent slow path on a GPU: when only the reference experts serve a bucket there, the layer warns
+once when it is built and `moe plan` marks the buckets, naming why each kernel refused and what would
+serve. Simulated platforms: nvfp4 on an H100 and fp8 128-block on an A100 have no kernel."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from moe import FusedMoE, MoEProblem, Platform, SlowPathWarning, plan
+from moe.cli import main
+from moe.oracle import Policy
+from moe.oracle.slow_path import slow_buckets, slow_path
+
+
+def _problem(quant: str, **kw) -> MoEProblem:
+    sizes = dict(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128, max_tokens=64)
+    return MoEProblem.create(**{**sizes, **kw}, quant=quant)
+
+
+def test_nvfp4_on_h100_is_a_slow_path_with_every_reason_and_the_way_out():
+    result = plan(_problem("nvfp4"), Platform.preset("h100"), Policy())
+    found = slow_path(result)
+    assert found is not None and found.scheme == "nvfp4" and found.device == "h100"
+    assert found.buckets == tuple((b.low, b.high) for b in result.buckets)
+    refused = dict(found.refusals)
+    assert "needs SM100" in "; ".join(refused["flashinfer_trtllm"])
+    assert "nvfp4×nvfp4" in "; ".join(refused["triton"])
+    assert "b200" in found.other_platforms and "h200" not in found.other_platforms
+    assert "bf16" in found.other_schemes and "fp8_block" in found.other_schemes
+    text = found.message()
+    assert "no kernel serves nvfp4 on h100" in text and "flashinfer_cutlass:" in text
+    assert "quant=bf16 or" in text and "nvfp4 on b200" in text
+
+
+def test_fp8_block_on_a100_names_the_sm89_rule():
+    found = slow_path(plan(_problem("fp8_block"), Platform.preset("a100"), Policy()))
+    assert found is not None
+    assert "fp8 (fp8_block) needs SM89 or newer" in dict(found.refusals)["triton"][0]
+    assert "h100" in found.other_platforms and "fp8_block" not in found.other_schemes
+
+
+@pytest.mark.parametrize("quant,platform", [("bf16", "h100"), ("nvfp4", "b200"), ("nvfp4", "cpu")])
+def test_no_slow_path_where_a_kernel_serves_or_on_a_cpu(quant, platform):
+    result = plan(_problem(quant), Platform.preset(platform), Policy())
+    assert slow_path(result) is None and slow_buckets(result) == ()
+
+
+def test_the_layer_warns_once_for_many_equal_layers():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):  # one model, three equal layers: one warning
+            FusedMoE(8, 2, 256, 128, quant="nvfp4", max_tokens=64, platform=Platform.preset("h100"))
+    slow = [w for w in caught if issubclass(w.category, SlowPathWarning)]
+    assert len(slow) == 1
+    assert "no kernel serves nvfp4 on h100" in str(slow[0].message)
+
+
+def test_a_layer_that_forces_the_reference_is_not_warned():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowPathWarning)
+        layer = FusedMoE(8, 2, 256, 128, quant="nvfp4", max_tokens=64, platform=Platform.preset("h100"),
+                         experts="reference")
+    assert layer.kernel.experts.name == "reference"
+
+
+def test_a_layer_on_a_gpu_with_a_kernel_is_not_warned():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SlowPathWarning)
+        FusedMoE(8, 2, 256, 128, quant="bf16", dtype=torch.bfloat16, max_tokens=64, platform=Platform.preset("h100"))
+
+
+def test_plan_cli_marks_slow_buckets(capsys):
+    main(["plan", "--platform", "a100", "--preset", "deepseek-v3-ep8-slice", "--quant", "fp8_block",
+          "--tokens", "1", "64"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if "local + reference" in line]
+    assert len(rows) == 2 and all(line.endswith("SLOW PATH") for line in rows)
+    assert "no kernel serves fp8_block on a100" in out and "What would serve with a kernel" in out
+
+
+def test_plan_cli_json_marks_slow_buckets(capsys):
+    main(["plan", "--platform", "h100", "--preset", "gpt-oss-120b", "--quant", "nvfp4", "--tokens", "1", "64",
+          "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert [b["slow_path"] for b in result["plan"]] == [True, True]
+    assert "no kernel serves nvfp4 on h100" in result["slow_path"]
+    main(["plan", "--platform", "h100", "--preset", "gpt-oss-120b", "--quant", "mxfp4", "--tokens", "1", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["slow_path"] is None and result["plan"][0]["slow_path"] is False
