@@ -390,3 +390,27 @@ def test_command_line_exit_status(capsys):
     assert main(["torch_grouped"]) == 0
     assert main([f"{__name__}:WrongActivationExperts"]) == 1
     assert "hint: the output matches the reference computed with activation silu" in capsys.readouterr().out
+
+
+def test_relu2_bound_is_twice_the_gated_bound_and_nothing_else_moves():
+    from moe.testing import TOLERANCES, tolerance_for
+    from tests.helpers import make_problem
+
+    for activation in ("silu", "gelu", "swiglu_oai"):
+        assert tolerance_for(make_problem(activation=activation)).bound == TOLERANCES["bf16"]
+    relu2 = tolerance_for(make_problem(activation="relu2"))
+    assert relu2.regime == "bf16" and relu2.bound == 2 * TOLERANCES["bf16"]
+    assert str(relu2) == "bf16 x2 bound 2e-02"
+    fp8 = tolerance_for(make_problem(activation="relu2", quant="fp8", dtype=torch.bfloat16))
+    assert fp8.bound == 2 * TOLERANCES["fp8"]
+
+
+@pytest.mark.slow
+def test_torch_grouped_full_mode_passes_with_the_relu2_bound():
+    """Full mode generates the bf16 relu2 case that measured 1.126e-2 against the gated 1e-2 bound."""
+    from moe.experts import TorchGroupedExperts
+
+    generated = [c.problem for c in experts_cases(TorchGroupedExperts.capabilities, "full")]
+    assert any(p.activation.name == "relu2" and p.dtype == torch.bfloat16 for p in generated)
+    report = check_experts(TorchGroupedExperts, cases="full")
+    assert report.passed, str(report)

@@ -3,7 +3,7 @@
 - ``check_experts(MyExperts)`` / ``check_prepare_finalize(MyPrepareFinalize)``: run a class through every
   problem its declaration covers and every contract it must keep; return a ``ConformanceReport``.
 - ``moe.testing.pytest_plugin.experts_conformance(MyExperts)``: the same as parametrized pytest cases.
-- ``assert_close_moe`` / ``regime_for`` / ``TOLERANCES``: the tolerance regimes (``tolerance.py``).
+- ``assert_close_moe`` / ``regime_for`` / ``tolerance_for`` / ``TOLERANCES``: the tolerance regimes (``tolerance.py``).
 - ``random_weights`` / ``random_inputs``: seeded inputs for a problem.
 - ``python -m moe.testing.docs``: regenerates the support table of docs/writing-a-backend.md.
 """
@@ -15,10 +15,11 @@ from moe.testing.inputs import random_inputs, random_weights, seeded_generator
 from moe.testing.pf_run import run_prepare_finalize_case
 from moe.testing.poison import PoisonedWorkspace
 from moe.testing.report import CaseResult, ConformanceError, ConformanceReport, Failure
-from moe.testing.tolerance import TOLERANCES, assert_close_moe, regime_for, relative_error
+from moe.testing.tolerance import TOLERANCES, Tolerance, assert_close_moe, regime_for, relative_error, tolerance_for
 
 __all__ = [
     "TOLERANCES",
+    "Tolerance",
     "Case",
     "CaseResult",
     "ConformanceError",
@@ -35,6 +36,7 @@ __all__ = [
     "random_inputs",
     "random_weights",
     "regime_for",
+    "tolerance_for",
     "relative_error",
     "run_experts_case",
     "run_prepare_finalize_case",

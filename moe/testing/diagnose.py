@@ -23,7 +23,7 @@ from moe.prepare_finalize import LocalPrepareFinalize
 from moe.prepare_finalize.base import PrepareFinalize
 from moe.problem import MoEProblem
 from moe.router import TopK
-from moe.testing.tolerance import TOLERANCES, relative_error
+from moe.testing.tolerance import relative_error
 
 _OTHER_PER_SLOT = {OutputKind.PER_SLOT: OutputKind.PER_SLOT_WEIGHTED, OutputKind.PER_SLOT_WEIGHTED: OutputKind.PER_SLOT}
 
@@ -35,12 +35,12 @@ def describe_exception(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}{where}"
 
 
-def within(out: torch.Tensor, ref: torch.Tensor, regime: str) -> bool:
-    return out.shape == ref.shape and relative_error(out.float(), ref.float()) <= TOLERANCES[regime]
+def within(out: torch.Tensor, ref: torch.Tensor, bound: float) -> bool:
+    return out.shape == ref.shape and relative_error(out.float(), ref.float()) <= bound
 
 
 def output_kind_hint(pf: PrepareFinalize, output: ExpertsOutput, dispatched: Dispatched, topk: TopK,
-                     ref: torch.Tensor, regime: str) -> str | None:
+                     ref: torch.Tensor, bound: float) -> str | None:
     other = _OTHER_PER_SLOT.get(output.kind)
     if other is None:
         return None
@@ -48,7 +48,7 @@ def output_kind_hint(pf: PrepareFinalize, output: ExpertsOutput, dispatched: Dis
         reread = pf.finalize(ExpertsOutput(other, output.out), dispatched, topk)
     except Exception:  # noqa: BLE001 -- a hint that cannot be computed is no hint
         return None
-    if not within(reread, ref, regime):
+    if not within(reread, ref, bound):
         return None
     did = "applies the router weights itself" if other is OutputKind.PER_SLOT_WEIGHTED else "does not apply the router weights"
     return (f"hint: the output matches the reference when read as {other.value}: apply {did} but the "
@@ -56,7 +56,7 @@ def output_kind_hint(pf: PrepareFinalize, output: ExpertsOutput, dispatched: Dis
 
 
 def activation_hint(problem: MoEProblem, hidden: torch.Tensor, topk: TopK, ref_weights, out: torch.Tensor,
-                    regime: str) -> str | None:
+                    bound: float) -> str | None:
     gated = problem.activation.is_gated
     for kind in ActivationKind:
         candidate = Activation.parse(kind)
@@ -64,7 +64,7 @@ def activation_hint(problem: MoEProblem, hidden: torch.Tensor, topk: TopK, ref_w
             continue
         other = replace(problem, activation=candidate)
         truth = ModularKernel(LocalPrepareFinalize(other), ReferenceExperts(other), device=hidden.device)
-        if within(out, truth.forward(hidden, topk, ref_weights, validate=False), regime):
+        if within(out, truth.forward(hidden, topk, ref_weights, validate=False), bound):
             return (f"hint: the output matches the reference computed with activation {kind.value} "
                     f"instead of the problem's {problem.activation.name}")
     return None

@@ -35,7 +35,7 @@ from moe.testing.cases import Case, describe, problem_variants
 from moe.testing.inputs import random_inputs, random_weights, seeded_generator
 from moe.testing.poison import PoisonedWorkspace
 from moe.testing.report import CaseResult, Failure
-from moe.testing.tolerance import TOLERANCES, regime_for, relative_error
+from moe.testing.tolerance import relative_error, tolerance_for
 from moe.workspace import WorkspaceManager
 
 PREPARE_FINALIZE_FOR = {ActivationFormat.STANDARD: LocalPrepareFinalize, ActivationFormat.BATCHED: BatchedPrepareFinalize}
@@ -62,7 +62,7 @@ class ExpertsRun:
         self.cls, self.case, self.platform = experts_cls, case, platform
         self.problem = case.problem
         self.device = torch.device(platform.device)
-        self.regime = regime_for(self.problem)
+        self.tolerance = tolerance_for(self.problem)
         self.result = CaseResult()
 
     def fail(self, check: str, message: str, num_tokens: int | None = None) -> None:
@@ -182,14 +182,13 @@ class ExpertsRun:
         pf, m = self.kernel.prepare_finalize, hidden.shape[0]
         out = pf.finalize(attempt.output, attempt.dispatched, topk)
         err = relative_error(out.float(), ref.float())
-        if err <= TOLERANCES[self.regime]:
+        if err <= self.tolerance.bound:
             return
-        message = (f"output differs from the reference: relative error {err:.3e} exceeds the {self.regime} "
-                   f"bound {TOLERANCES[self.regime]:.0e}")
+        message = f"output differs from the reference: relative error {err:.3e} exceeds the {self.tolerance}"
         hints = [
             diagnose.nan_hint(out),
-            diagnose.output_kind_hint(pf, attempt.output, attempt.dispatched, topk, ref, self.regime),
-            diagnose.activation_hint(self.problem, hidden, topk, self.ref_weights, out, self.regime),
+            diagnose.output_kind_hint(pf, attempt.output, attempt.dispatched, topk, ref, self.tolerance.bound),
+            diagnose.activation_hint(self.problem, hidden, topk, self.ref_weights, out, self.tolerance.bound),
         ]
         self.fail("numerics", "\n".join([message] + [h for h in hints if h]), m)
 
@@ -250,7 +249,7 @@ class ExpertsRun:
             return
         eager.output = output
         err = relative_error(self._final(eager, topk).float(), expected.float())
-        if err > TOLERANCES[self.regime]:
+        if err > self.tolerance.bound:
             self.fail("cuda_graph", "replaying the captured CUDA graph gives another result than the eager call "
                       f"(relative error {err:.3e})", m)
 

@@ -27,7 +27,7 @@ from moe.testing.inputs import random_inputs, random_weights, seeded_generator
 from moe.testing.poison import PoisonedWorkspace
 from moe.testing.reference_kinds import reference_experts_for
 from moe.testing.report import CaseResult, Failure
-from moe.testing.tolerance import TOLERANCES, regime_for, relative_error
+from moe.testing.tolerance import relative_error, tolerance_for
 from moe.workspace import WorkspaceManager
 
 
@@ -90,11 +90,11 @@ class PrepareFinalizeRun:
             self.fail("workspace", f"prepare/finalize wrote outside its declared workspace: {violation}", m)
         for problem in self._finalized_problems(out, hidden, poisoned, m):
             self.fail("output", problem, m)
-        regime = regime_for(self.problem)
+        tolerance = tolerance_for(self.problem)
         err = relative_error(out.float(), ref.float()) if out.shape == ref.shape else float("inf")
-        if err > TOLERANCES[regime]:
-            message = (f"output differs from the reference: relative error {err:.3e} exceeds the {regime} bound "
-                       f"{TOLERANCES[regime]:.0e} (experts output {self.case.output.value})")
+        if err > tolerance.bound:
+            message = (f"output differs from the reference: relative error {err:.3e} exceeds the {tolerance} "
+                       f"(experts output {self.case.output.value})")
             self.fail("numerics", "\n".join(h for h in (message, diagnose.nan_hint(out)) if h), m)
 
     def _dispatched_problems(self, dispatched: Dispatched, topk: TopK, m: int) -> list[str]:
