@@ -31,31 +31,89 @@ def _demo(a) -> int:
 
 
 def _backends_parser(sub) -> None:
-    p = sub.add_parser("backends", help="print the support table generated from the capability declarations")
-    p.set_defaults(func=lambda a: print(backends_table()) or 0)
+    p = sub.add_parser("backends", help="print the support table generated from the capability declarations, "
+                                        "with whether each backend can run on this machine")
+    p.set_defaults(func=lambda a: print(backends_table(_detected_platform())) or 0)
 
 
-def backends_table() -> str:
-    """Markdown table of every registered backend, read from its declaration."""
-    from moe.registry import experts_classes, prepare_finalize_classes
+def _detected_platform():
+    from moe.platform import Platform
 
-    rows = ["| experts | formats | weight x activation | activations | devices | SM | libraries | output | status |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for name, cls in experts_classes().items():
+    return Platform.detect()
+
+
+def backends_table(platform=None, *, experts=None, prepare_finalize=None, broken=None) -> str:
+    """Markdown tables of the backends, read from their declarations.
+
+    ``experts`` and ``prepare_finalize`` (name -> class) default to the registry's, ``broken`` (name ->
+    reason) to ``registry.broken_backends()``. The status column says ``implemented``, ``declared only``
+    or ``broken: <error>``; it depends on the code only. With a ``platform``, a "here" column says
+    whether each backend can run on it: ``yes``, or ``no: <reasons>`` (a missing library with its
+    install line). Broken plugins that registered nothing get a table of their own.
+    """
+    from moe import registry
+
+    experts = registry.experts_classes() if experts is None else experts
+    prepare_finalize = registry.prepare_finalize_classes() if prepare_finalize is None else prepare_finalize
+    here_e = {name: _here(cls, platform) for name, cls in experts.items()}
+    here_pf = {name: _here(cls, platform) for name, cls in prepare_finalize.items()}
+    broken = registry.broken_backends() if broken is None else broken  # after _here, which may find more
+    here = [] if platform is None else ["here"]
+    rows = _header(["experts", "formats", "weight x activation", "activations", "devices", "SM", "libraries",
+                    "output", "status"] + here)
+    for name, cls in experts.items():
         cap = cls.capabilities
         quant = ", ".join(sorted(f"{w.value}×{a.value}" for w, a in cap.quant))
-        sm = _sm_range(cap.min_capability, cap.max_capability)
-        status = "ready" if cap.implemented else "declared only"
-        rows.append(
-            f"| {name} | {', '.join(sorted(f.value for f in cap.formats))} | {quant} | "
-            f"{', '.join(sorted(a.value for a in cap.activations))} | {', '.join(sorted(cap.devices))} | {sm} | "
-            f"{', '.join(cap.libraries) or '-'} | {cap.output.value} | {status} |"
-        )
-    rows += ["", "| prepare/finalize | format | quantizes activations to | status |", "|---|---|---|---|"]
-    for name, cls in prepare_finalize_classes().items():
+        rows.append(_row([name, ", ".join(sorted(f.value for f in cap.formats)), quant,
+                          ", ".join(sorted(a.value for a in cap.activations)), ", ".join(sorted(cap.devices)),
+                          _sm_range(cap.min_capability, cap.max_capability), ", ".join(cap.libraries) or "-",
+                          cap.output.value, _status(name, cap.implemented, broken)] + here_e[name]))
+    rows += [""] + _header(["prepare/finalize", "format", "quantizes activations to", "status"] + here)
+    for name, cls in prepare_finalize.items():
         fmts = ", ".join(sorted(f.value for f in cls.quant_formats)) or "-"
-        rows.append(f"| {name} | {cls.format.value} | {fmts} | {'ready' if cls.implemented else 'declared only'} |")
+        rows.append(_row([name, cls.format.value, fmts, _status(name, cls.implemented, broken)] + here_pf[name]))
+    unregistered = {name: why for name, why in broken.items() if name not in experts and name not in prepare_finalize}
+    if unregistered:
+        rows += [""] + _header(["plugin", "status"])
+        rows += [_row([name, f"broken: {why}"]) for name, why in unregistered.items()]
     return "\n".join(rows)
+
+
+def _header(names: list[str]) -> list[str]:
+    return [_row(names), _row(["---"] * len(names)).replace(" ", "")]
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(" ".join(cell.split()).replace("|", "\\|") for cell in cells) + " |"
+
+
+def _status(name: str, implemented: bool, broken: dict[str, str]) -> str:
+    if name in broken:
+        return f"broken: {broken[name]}"
+    return "implemented" if implemented else "declared only"
+
+
+def _here(cls: type, platform) -> list[str]:
+    """``[]`` without a platform; else ``["yes"]`` or ``["no: <reasons>"]`` for running ``cls`` there.
+
+    For experts, the platform half of their declaration (device, compute capability, libraries): a
+    problem can still be refused for reasons that join both (a quantization that needs a newer SM),
+    which ``moe plan`` gives. A prepare/finalize has no platform-only hook, so its reasons are those
+    its check adds once it is given the platform (on any problem, here a small one).
+    """
+    from moe.problem import MoEProblem
+    from moe.registry import checked_call, checked_reasons
+
+    if platform is None:
+        return []
+    if hasattr(cls, "capabilities"):
+        reasons = checked_call(cls, "_platform_reasons", platform)
+        reasons += [] if cls.capabilities.implemented else ["declared only"]
+    else:
+        probe = MoEProblem.create(num_experts=8, top_k=2, hidden_size=128, intermediate_size=128)
+        alone = checked_reasons(cls, probe, None)
+        reasons = [r for r in checked_reasons(cls, probe, platform) if r not in alone]
+    return ["yes" if not reasons else "no: " + "; ".join(reasons)]
 
 
 def _sm_range(low, high) -> str:

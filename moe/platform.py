@@ -31,6 +31,15 @@ from moe.errors import MoEConfigError
 TB, TFLOP, GB = 1e12, 1e12, 10**9
 # importable module -> its distribution (for the version)
 LIBRARIES = {"triton": "triton", "flashinfer": "flashinfer-python", "cutlass": "nvidia-cutlass-dsl"}
+# importable module -> the extra of pyproject.toml that installs it beside moe
+LIBRARY_EXTRAS = {"triton": "triton", "flashinfer": "flashinfer", "cutlass": "cutedsl"}
+
+
+def missing_library_reason(library: str) -> str:
+    """The reason a backend gives when ``library`` is not installed, with the line that installs it."""
+    extra = LIBRARY_EXTRAS.get(library)
+    fix = f": pip install 'moe[{extra}]'" if extra else ""
+    return f"needs library {library!r}, which is not installed{fix}"
 # the precision a GEMM runs in -> the ones to fall back to when a platform has no rate for it
 _PRECISION_FALLBACK = {"fp4": ("fp8", "bf16"), "fp8": ("bf16",), "fp16": ("bf16",), "bf16": ("fp16",), "fp32": ("bf16",)}
 

@@ -32,7 +32,8 @@ EP2 = dataclasses.replace(make_problem(num_experts=8, top_k=2, max_tokens=16), p
 def test_check_declares_cuda_flashinfer_and_expert_parallelism():
     cls = FlashInferAllToAllPrepareFinalize
     assert cls.check(EP2, H100) == []
-    assert cls.check(EP2, H100.with_libraries(remove=("flashinfer",))) == ["needs library 'flashinfer', which is not installed"]
+    assert cls.check(EP2, H100.with_libraries(remove=("flashinfer",))) == [
+        "needs library 'flashinfer', which is not installed: pip install 'moe[flashinfer]'"]
     assert cls.check(EP2, Platform.cpu().with_libraries(add=("flashinfer",))) == [
         "runs on CUDA GPUs of one host joined by NVLink, not cpu"]
     assert cls.check(dataclasses.replace(EP2, parallel=ParallelConfig()), H100) == ["single rank (ep_size=1): use local"]

@@ -50,6 +50,8 @@ def test_load_backends_imports_every_entry_point(monkeypatch):
     monkeypatch.setattr(registry, "_loaded", False)
     monkeypatch.setattr(registry, "_EXPERTS", {})
     monkeypatch.setattr(registry, "_PREPARE_FINALIZE", {})
+    monkeypatch.setattr(registry, "_BROKEN", {})
+    monkeypatch.setattr(registry, "_ORIGIN", {})
     monkeypatch.setattr(registry, "_BUILTIN_MODULES", ())
     fake = [EntryPoint(name="plugin_einsum", value=MODULE, group="moe.backends")]
     monkeypatch.setattr(registry, "entry_points", lambda group: fake if group == "moe.backends" else [])

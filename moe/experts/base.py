@@ -20,7 +20,7 @@ import torch
 from moe.activation import ActivationKind
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
 from moe.errors import UnsupportedError
-from moe.platform import Platform
+from moe.platform import Platform, missing_library_reason
 from moe.problem import MoEProblem
 from moe.quant import QuantFormat
 from moe.weights import ExpertWeights
@@ -123,7 +123,7 @@ class Experts(ABC):
                 reasons.append(f"needs {_fmt_cc(cap.max_capability)} or older (got {_fmt_cc(cc)})")
         for lib in cap.libraries:
             if not platform.has_library(lib):
-                reasons.append(f"needs library {lib!r}, which is not installed")
+                reasons.append(missing_library_reason(lib))
         return reasons
 
     @classmethod

@@ -7,8 +7,9 @@
       4. ranking      per token bucket, by estimated time (moe.oracle.cost), then policy.prefer
       5. workspace    the max over the plan's kernels, each sized for the largest bucket it serves
 
-A pure function of its inputs: it never catches an exception to filter a candidate, and a Plan holds
-every candidate exactly once -- chosen, viable, or rejected with all its reasons.
+A pure function of its inputs: it never catches an exception to filter a candidate (only a plugin's
+check that raises becomes its reason: registry.checked_reasons), and a Plan holds every candidate
+exactly once -- chosen, viable, or rejected with all its reasons.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from moe.oracle.profile import Profile, load_profiles
 from moe.platform import Platform
 from moe.problem import MoEProblem
 from moe.quant import QuantFormat
-from moe.registry import experts_classes, prepare_finalize_classes
+from moe.registry import checked_reasons, experts_classes, prepare_finalize_classes
 from moe.workspace import WorkspaceManager
 
 EXPERTS, PREPARE_FINALIZE = "experts", "prepare_finalize"
@@ -167,7 +168,7 @@ def plan(problem: MoEProblem, platform: Platform | None = None, policy: Policy |
     policy.check_names(set(classes[EXPERTS]), set(classes[PREPARE_FINALIZE]))
     profile = load_profiles(policy.profiles)
     # checks: every candidate's own reasons, then the policy's
-    own = {kind: {n: tuple(c.check(problem, platform)) for n, c in table.items()} for kind, table in classes.items()}
+    own = {kind: {n: tuple(checked_reasons(c, problem, platform)) for n, c in table.items()} for kind, table in classes.items()}
     _raise_if_forced_unusable(policy, own, platform)
     reasons = {kind: {n: _policy_reasons(n, table, policy) + r for n, r in own[kind].items()} for kind, table in own.items()}
     # pairs: survivors that compose; a survivor without a partner is rejected, saying why

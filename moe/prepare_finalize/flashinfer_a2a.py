@@ -45,7 +45,7 @@ from moe.parallel import (
     token_payloads,
     wire_format,
 )
-from moe.platform import Platform
+from moe.platform import Platform, missing_library_reason
 from moe.prepare_finalize.all_to_all import ExchangedDispatched, expert_parallel_reasons
 from moe.prepare_finalize.base import PrepareFinalize, add_shared
 from moe.prepare_finalize.local import QUANTIZABLE
@@ -94,7 +94,7 @@ class FlashInferAllToAllPrepareFinalize(PrepareFinalize):
             if not platform.is_cuda:
                 reasons.append(f"runs on CUDA GPUs of one host joined by NVLink, not {platform.device}")
             if not platform.has_library("flashinfer"):
-                reasons.append("needs library 'flashinfer', which is not installed")
+                reasons.append(missing_library_reason("flashinfer"))
         return reasons
 
     def __init__(self, problem: MoEProblem, *, max_prefill_tokens: int | None = None):
