@@ -30,7 +30,7 @@ from moe.platform import Platform
 from moe.prepare_finalize import BatchedPrepareFinalize, LocalPrepareFinalize, PrepareFinalize
 from moe.problem import MoEProblem, ParallelConfig
 from moe.quant import QuantFormat, QuantizedTensor, QuantScheme
-from moe.registry import register_experts, register_prepare_finalize
+from moe.registry import BrokenPluginWarning, register_experts, register_prepare_finalize
 from moe.router import Router, TopK
 from moe.weights import ExpertWeights
 from moe.workspace import Workspace, WorkspaceManager, WorkspaceShapes
@@ -42,6 +42,7 @@ __all__ = [
     "ActivationFormat",
     "ActivationKind",
     "BatchedPrepareFinalize",
+    "BrokenPluginWarning",
     "Capabilities",
     "DispatchShape",
     "Dispatched",

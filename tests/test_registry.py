@@ -239,8 +239,8 @@ def row(table: str, name: str) -> str:
 def test_here_column_says_no_with_the_install_line_when_a_library_is_missing():
     table = backends_table(Platform.cpu().with_libraries(remove=("triton",)))
     assert row(table, "experts").endswith("| status | here |")
-    assert row(table, "triton").endswith(
-        "| implemented | no: needs library 'triton', which is not installed: pip install 'moe[triton]' |")
+    assert "| implemented | no: needs library 'triton', which is not installed: pip install 'moe[triton]'" in row(
+        table, "triton")
     assert row(table, "torch_grouped").endswith("| implemented | yes |")
     h100 = backends_table(Platform.preset("h100").with_libraries(remove=("flashinfer",)))
     assert row(h100, "triton").endswith("| yes |")
@@ -278,3 +278,16 @@ def test_every_library_has_an_extra_that_installs_it():
     for library, extra in LIBRARY_EXTRAS.items():
         assert any(req.startswith(LIBRARIES[library]) for req in extras[extra]), (library, extra)
     assert missing_library_reason("libfoo") == "needs library 'libfoo', which is not installed"
+
+
+def test_here_column_says_triton_runs_on_a_cpu_only_in_its_interpreter():
+    import dataclasses
+
+    from moe.platform import TRITON_INTERPRETER
+
+    with_triton = Platform.cpu().with_libraries(add=("triton",))
+    plain = dataclasses.replace(with_triton, features=with_triton.features - {TRITON_INTERPRETER})
+    assert row(backends_table(plain), "triton").endswith(
+        "| no: runs on a CPU only in Triton's interpreter (TRITON_INTERPRET=1), which is for tests |")
+    interpreter = dataclasses.replace(with_triton, features=with_triton.features | {TRITON_INTERPRETER})
+    assert row(backends_table(interpreter), "triton").endswith("| implemented | yes |")

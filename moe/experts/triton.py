@@ -27,6 +27,7 @@ from moe.experts._triton.support import (
     check_input,
     config_key,
     extra_reasons,
+    platform_reasons,
     quant_buffers,
     quantize_activation,
 )
@@ -54,6 +55,10 @@ class TritonExperts(Experts):
     @classmethod
     def extra_checks(cls, problem: MoEProblem, platform: Platform | None) -> list[str]:
         return extra_reasons(problem, platform)
+
+    @classmethod
+    def _platform_reasons(cls, platform: Platform) -> list[str]:
+        return super()._platform_reasons(platform) + platform_reasons(platform)
 
     def prepare_weights(self, weights: ExpertWeights) -> TritonWeights:
         weights.validate(self.problem)

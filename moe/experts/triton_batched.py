@@ -17,6 +17,7 @@ from moe.experts._triton.support import (
     check_input,
     config_key,
     extra_reasons,
+    platform_reasons,
     flat_rows,
     quant_buffers,
     quantize_activation,
@@ -45,6 +46,10 @@ class TritonBatchedExperts(Experts):
     @classmethod
     def extra_checks(cls, problem: MoEProblem, platform: Platform | None) -> list[str]:
         return extra_reasons(problem, platform)
+
+    @classmethod
+    def _platform_reasons(cls, platform: Platform) -> list[str]:
+        return super()._platform_reasons(platform) + platform_reasons(platform)
 
     def prepare_weights(self, weights: ExpertWeights) -> TritonWeights:
         weights.validate(self.problem)

@@ -41,13 +41,18 @@ COMMON_CAPABILITIES = dict(
 FP8_MIN_CAPABILITY = (8, 9)  # e4m3 tensor-core instructions (Ada, Hopper and newer)
 
 
+def platform_reasons(platform: Platform) -> list[str]:
+    """The platform half the capability data cannot say: a CPU runs Triton only in its interpreter."""
+    if platform.device == "cpu" and not platform.has_feature(TRITON_INTERPRETER):
+        return ["runs on a CPU only in Triton's interpreter (TRITON_INTERPRET=1), which is for tests"]
+    return []
+
+
 def extra_reasons(problem: MoEProblem, platform: Platform | None) -> list[str]:
-    """What the capability data cannot say: fp8 needs SM89+; on a CPU, the interpreter and its dtypes."""
+    """What the capability data cannot say about a problem: fp8 needs SM89+; the interpreter's dtypes."""
     reasons = []
-    if platform is not None and platform.device == "cpu":
-        if not platform.has_feature(TRITON_INTERPRETER):
-            reasons.append("runs on a CPU only in Triton's interpreter (TRITON_INTERPRET=1), which is for tests")
-        elif problem.dtype == torch.bfloat16:
+    if platform is not None and platform.device == "cpu" and platform.has_feature(TRITON_INTERPRETER):
+        if problem.dtype == torch.bfloat16:
             # triton 3.9's interpreter: errors of 1e11 on a plain bfloat16 matmul
             reasons.append("Triton's CPU interpreter computes bfloat16 wrongly; use float16 or float32 on a CPU")
     fp8 = problem.quant.weight in (_F.FP8_TENSOR, _F.FP8_ROW, _F.FP8_BLOCK)
