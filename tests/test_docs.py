@@ -13,14 +13,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "docs" / "writing-a-backend.md"]
+# each page, with a symbol and a path it names (proof that the parsers see the page's content)
+PAGES = {
+    ROOT / "docs" / "writing-a-backend.md": ("moe.testing.check_experts", "examples/plugin_backend/"),
+    ROOT / "docs" / "architecture.md": ("moe.kernel.composition_problems", "examples/plugin_backend/"),
+    ROOT / "README.md": ("moe.SlowPathWarning", "moe/presets/*.yaml"),
+}
 # backticked dotted names that are not Python symbols: the entry-point group
 NOT_SYMBOLS = {"moe.backends"}
 _INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
 _DOTTED = re.compile(r"\bmoe(?:\.[A-Za-z_]\w*)+")
 _FENCE = re.compile(r"```python\n(.*?)```", re.S)
 _IMPORT = re.compile(r"^\s*from (moe[\w.]*) import ([^#\n]+)", re.M)
-_PATH = re.compile(r"^(?:examples|docs|tests|moe)/[\w./-]*$")
+_PATH = re.compile(r"^(?:examples|docs|tests|moe|benchmarks)/[\w./*-]*$")
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 def resolve(dotted: str) -> object:
@@ -48,7 +54,7 @@ def named_symbols(text: str) -> set[str]:
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_named_symbol_imports(page):
     names = named_symbols(page.read_text())
-    assert "moe.testing.check_experts" in names  # the parser sees the page's central symbol
+    assert PAGES[page][0] in names  # the parser sees the page's central symbol
     missing = []
     for name in sorted(names):
         try:
@@ -60,9 +66,16 @@ def test_every_named_symbol_imports(page):
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_named_path_exists(page):
-    paths = {span for span in _INLINE.findall(page.read_text()) if _PATH.match(span)}
-    assert "examples/plugin_backend/" in paths
-    assert not [p for p in sorted(paths) if not (ROOT / p).exists()]
+    text = page.read_text()
+    paths = {span for span in _INLINE.findall(text) if _PATH.match(span)}
+    paths |= {link for link in _LINK.findall(text) if not link.startswith(("http://", "https://", "#"))}
+    assert PAGES[page][1] in paths
+    assert not [p for p in sorted(paths) if not _exists(page.parent, p)]
+
+
+def _exists(folder: Path, path: str) -> bool:
+    """A path relative to the repository root or to the page's folder (a markdown link); globs allowed."""
+    return any(any(base.glob(path)) if "*" in path else (base / path).exists() for base in (ROOT, folder))
 
 
 def test_support_table_is_generated_from_the_declarations():
