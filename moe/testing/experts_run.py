@@ -105,7 +105,8 @@ class ExpertsRun:
             self.fail("construct", f"{self.cls.__name__}(problem) raised {diagnose.describe_exception(error)}")
             return False
         try:
-            self.kernel = ModularKernel(PREPARE_FINALIZE_FOR[self.case.format](p), experts, device=self.device)
+            self.kernel = ModularKernel(PREPARE_FINALIZE_FOR[self.case.format](p), experts, device=self.device,
+                                        platform=self.platform)
         except MoEConfigError as error:
             self.fail("compose", str(error))
             return False

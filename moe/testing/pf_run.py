@@ -62,7 +62,8 @@ class PrepareFinalizeRun:
         p = self.problem
         try:
             pf = self.cls(p)
-            self.kernel = ModularKernel(pf, reference_experts_for(self.case.output)(p), device=self.device)
+            self.kernel = ModularKernel(pf, reference_experts_for(self.case.output)(p), device=self.device,
+                                        platform=self.platform)
         except MoEConfigError as error:
             self.fail("compose", str(error))
             return False
