@@ -278,6 +278,9 @@ class Router:
         if self.routing == "deepseek_v3":
             _check_groups(self.num_experts, self.top_k, self.n_group, self.topk_group)
             _check_correction_bias(self.correction_bias, self.num_experts)
+            # once, here: a NaN bias would pick arbitrary experts; the per-call check cannot read values
+            if self.correction_bias is not None and not bool(torch.isfinite(self.correction_bias).all()):
+                raise MoEConfigError("correction_bias contains NaN or inf; every expert's bias must be finite")
             return
         for name in _GROUP_OPTIONS:
             if getattr(self, name) is not None:
