@@ -126,10 +126,11 @@ class MoEProblem:
                 f"top_k must be <= num_experts (got top_k={self.top_k}, num_experts={self.num_experts})"
             )
         check_dtype(self.dtype)
+        names = "; MoEProblem.create(...) takes names"
         if not isinstance(self.activation, Activation):
-            raise MoEConfigError(f"activation must be an Activation (got {self.activation!r})")
+            raise MoEConfigError(f"activation must be an Activation (got {self.activation!r}){names}")
         if not isinstance(self.quant, QuantScheme):
-            raise MoEConfigError(f"quant must be a QuantScheme (got {self.quant!r})")
+            raise MoEConfigError(f"quant must be a QuantScheme (got {self.quant!r}){names}")
         if not isinstance(self.has_bias, bool):
             raise MoEConfigError(f"has_bias must be a bool (got {self.has_bias!r})")
         if not isinstance(self.parallel, ParallelConfig):

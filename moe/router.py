@@ -52,6 +52,12 @@ class TopK:
     weights: torch.Tensor  # float32 [M, k]: router weight of each chosen expert
 
     def __post_init__(self):
+        for name in ("ids", "weights"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise MoEConfigError(
+                    f"TopK {name} must be a torch.Tensor [M, k] (got {type(getattr(self, name)).__name__}); "
+                    "a Router builds a TopK from router logits"
+                )
         if self.ids.dim() != 2 or self.ids.shape != self.weights.shape:
             raise MoEConfigError(
                 f"TopK ids and weights must both be [M, k] with the same shape "
