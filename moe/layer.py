@@ -12,6 +12,7 @@ force one backend (``experts=``, ``MOE_EXPERTS``, a policy) where that matters.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from typing import Any, Mapping
 
 import torch
@@ -187,7 +188,8 @@ class FusedMoE(torch.nn.Module):
             )
 
 
-_ROUTING_OPTIONS = ("renormalize", "n_group", "topk_group", "correction_bias", "routed_scaling_factor")
+# what FusedMoE passes on to Router besides the routing, E and k (read from Router, not listed twice)
+_ROUTING_OPTIONS = tuple(f.name for f in dataclasses.fields(Router) if f.name not in ("routing", "num_experts", "top_k"))
 
 
 def _device(device: Any) -> torch.device:
@@ -199,12 +201,13 @@ def _device(device: Any) -> torch.device:
     if parsed is None or parsed.type not in ("cpu", "cuda"):
         raise MoEConfigError(f"device: {device!r} is not a device moe runs on; use 'cpu' or 'cuda' (or 'cuda:N')")
     count = torch.cuda.device_count() if parsed.type == "cuda" and torch.cuda.is_available() else 0
-    if parsed.type == "cuda" and (parsed.index or 0) >= count:
+    if parsed.type == "cuda" and count == 0:
         raise MoEConfigError(
-            f"device: {device!r} but this machine has {count} usable CUDA device(s) "
-            f"(torch {torch.__version__}, torch.cuda.is_available()={torch.cuda.is_available()}); use device='cpu'"
-            if count == 0 else f"device: {device!r} but this machine has {count} CUDA device(s): cuda:0..cuda:{count - 1}"
+            f"device: {device!r} but torch.cuda.is_available() is False here (torch {torch.__version__}: no GPU, "
+            "or a CPU-only build); use device='cpu'"
         )
+    if parsed.type == "cuda" and (parsed.index or 0) >= count:
+        raise MoEConfigError(f"device: {device!r} but this machine has {count} CUDA device(s): cuda:0..cuda:{count - 1}")
     return parsed
 
 

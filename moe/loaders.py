@@ -136,8 +136,10 @@ class _Sizes:
         known = [f"{n}={v}" for n, v in (("H", self.hidden), ("I", self.inter)) if v is not None]
         return f" (the layer has {', '.join(known)})" if known else ""
 
-    def times(self, size: int | None, factor: int) -> int | None:
-        return None if size is None else size * factor
+    @property
+    def gate_up_rows(self) -> int | None:
+        """2I, the rows of gate and up together."""
+        return None if self.inter is None else 2 * self.inter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,7 +246,7 @@ def _load_gpt_oss(
 def _load_gpt_oss_dense(
     checkpoint: _Checkpoint, num_experts: int, dtype: torch.dtype | None, sizes: _Sizes
 ) -> ExpertWeights:
-    gate_up_shape = (num_experts, sizes.hidden, sizes.times(sizes.inter, 2))
+    gate_up_shape = (num_experts, sizes.hidden, sizes.gate_up_rows)
     gate_up = checkpoint.get("experts.gate_up_proj", "[E, H, 2I]", gate_up_shape)
     _, hidden, rows = gate_up.shape
     _check_even_rows(checkpoint, "experts.gate_up_proj", rows, multiple=1)
@@ -258,7 +260,7 @@ def _load_gpt_oss_mxfp4(checkpoint: _Checkpoint, num_experts: int, sizes: _Sizes
     block_bytes = MX_BLOCK // 2
     key = "experts.gate_up_proj_blocks"
     hidden_blocks = None if sizes.hidden is None or sizes.hidden % MX_BLOCK else sizes.hidden // MX_BLOCK
-    blocks_shape = (num_experts, sizes.times(sizes.inter, 2), hidden_blocks, block_bytes)
+    blocks_shape = (num_experts, sizes.gate_up_rows, hidden_blocks, block_bytes)
     blocks = checkpoint.get(key, "[E, 2I, H/32, 16]", blocks_shape)
     experts, rows, hidden_blocks, _ = blocks.shape
     _check_even_rows(checkpoint, key, rows, multiple=MX_BLOCK)
