@@ -18,6 +18,7 @@ from moe.experts.base import Experts
 from moe.formats import ActivationFormat, Dispatched, OutputKind
 from moe.platform import Platform
 from moe.prepare_finalize.base import PrepareFinalize
+from moe.problem import MoEProblem
 from moe.quant import QuantFormat, QuantizedTensor
 from moe.router import Router, TopK
 from moe.workspace import Workspace, WorkspaceManager, WorkspaceShapes
@@ -122,11 +123,14 @@ class ModularKernel:
         """``hidden [M, H]`` routed by ``topk`` -> a new ``[M, H]`` tensor (+ ``shared_output [M, H]``,
         the shared experts' result, added inside finalize).
 
-        ``validate`` also checks that every expert id is in range, which reads the ids on the host;
-        pass False when the ids come from a Router (in range by construction) or inside a CUDA graph.
+        ``weights`` are what ``experts.prepare_weights`` returned. ``validate`` also checks that every
+        expert id is in range, which reads the ids on the host, and that the weights were prepared for
+        this problem's sizes; pass False when the ids come from a Router (in range by construction) or
+        inside a CUDA graph.
         """
         self._check_hidden(hidden, shared_output)
         self._check_topk(hidden, topk, validate)
+        self.experts.check_prepared(weights, sizes=validate)  # raw ExpertWeights: says to prepare them
         shapes = self.workspace_shapes(hidden.shape[0])
         views = self.workspace.take(shapes, caller=repr(self))
         pf_space, experts_space = _split(views, _PREPARE), _split(views, _EXPERTS)
@@ -170,28 +174,19 @@ class ModularKernel:
         return self.prepare_finalize.finalize(output, unrouted, unrouted.topk, shared_output)
 
     def _check_hidden(self, hidden: torch.Tensor, shared_output: torch.Tensor | None) -> None:
-        p = self.problem
-        if hidden.dim() != 2 or hidden.shape[1] != p.hidden_size:
-            raise MoEConfigError(f"hidden must be [M, {p.hidden_size}] (got {list(hidden.shape)})")
-        if hidden.dtype != p.dtype:
-            raise MoEConfigError(f"hidden must be {p.dtype} (got {hidden.dtype})")
-        if hidden.device.type != self.workspace.device.type:
-            raise MoEConfigError(f"hidden is on {hidden.device} but the kernel was built for {self.workspace.device}")
-        if hidden.shape[0] > p.max_tokens:
-            raise MoEConfigError(
-                f"M={hidden.shape[0]} tokens exceeds max_tokens={p.max_tokens} this kernel was built for"
-            )
-        if shared_output is not None and (shared_output.shape != hidden.shape or shared_output.dtype != hidden.dtype):
-            raise MoEConfigError(
-                f"shared_output must match hidden: [{hidden.shape[0]}, {hidden.shape[1]}] {hidden.dtype} "
-                f"(got {list(shared_output.shape)} {shared_output.dtype})"
-            )
+        check_hidden(self.problem, self.workspace.device, hidden, shared_output)
 
     def _check_topk(self, hidden: torch.Tensor, topk: TopK, validate: bool) -> None:
         p = self.problem
+        if not isinstance(topk, TopK):
+            raise MoEConfigError(
+                f"topk must be a moe.TopK(ids [M, k] int32, weights [M, k] float32), e.g. router(router_logits) "
+                f"(got {type(topk).__name__})"
+            )
         if tuple(topk.ids.shape) != (hidden.shape[0], p.top_k):
             raise MoEConfigError(
-                f"topk.ids must be [M, top_k] = [{hidden.shape[0]}, {p.top_k}] (got {list(topk.ids.shape)})"
+                f"topk.ids must be [M, top_k] = [{hidden.shape[0]}, {p.top_k}] (got {list(topk.ids.shape)}); "
+                f"the kernel was built for {p.sizes}"
             )
         if topk.ids.device != hidden.device:
             raise MoEConfigError(f"topk is on {topk.ids.device} but hidden is on {hidden.device}")
@@ -201,6 +196,49 @@ class ModularKernel:
                 raise MoEConfigError(
                     f"topk.ids must lie in [0, num_experts={p.num_experts}) (got values in [{low}, {high}])"
                 )
+
+
+def check_hidden(
+    problem: MoEProblem,
+    device: torch.device,
+    hidden: torch.Tensor,
+    shared_output: torch.Tensor | None = None,
+    *,
+    name: str = "hidden",
+    owner: str = "kernel",
+) -> None:
+    """Raises `MoEConfigError` naming ``name`` unless ``hidden`` is ``[M, H]`` in the problem's dtype on
+    ``device``'s type with M <= max_tokens, and ``shared_output`` (if given) is shaped, typed and placed
+    like it. ``owner`` ("kernel", "layer") is what the messages say was built for the problem."""
+    p, built = problem, f"the {owner} was built for"
+    if not isinstance(hidden, torch.Tensor):
+        raise MoEConfigError(
+            f"{name} must be a torch.Tensor [M, {p.hidden_size}] of {p.dtype} (got {type(hidden).__name__})"
+        )
+    if hidden.dim() != 2 or hidden.shape[1] != p.hidden_size:
+        raise MoEConfigError(
+            f"{name} must be [M, {p.hidden_size}]: 2-D, the hidden size H last (got shape {list(hidden.shape)}); "
+            f"{built} {p.sizes}"
+        )
+    if hidden.dtype != p.dtype:
+        raise MoEConfigError(f"{name} must be {p.dtype}, the dtype {built} (got {hidden.dtype})")
+    if hidden.device.type != torch.device(device).type:
+        raise MoEConfigError(f"{name} is on {hidden.device} but {built} {device}")
+    if hidden.shape[0] > p.max_tokens:
+        raise MoEConfigError(
+            f"{name} has M={hidden.shape[0]} tokens, which exceeds max_tokens={p.max_tokens} {built}; "
+            f"build the {owner} with a larger max_tokens or split the batch"
+        )
+    if shared_output is None:
+        return
+    want = f"[{hidden.shape[0]}, {hidden.shape[1]}] {hidden.dtype} on {hidden.device}"
+    if not isinstance(shared_output, torch.Tensor):
+        raise MoEConfigError(f"shared_output must match {name}: {want} (got {type(shared_output).__name__})")
+    if (shared_output.shape, shared_output.dtype, shared_output.device) != (hidden.shape, hidden.dtype, hidden.device):
+        raise MoEConfigError(
+            f"shared_output must match {name}: {want} "
+            f"(got {list(shared_output.shape)} {shared_output.dtype} on {shared_output.device})"
+        )
 
 
 def _split(views: Workspace, prefix: str) -> Workspace:

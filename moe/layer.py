@@ -12,13 +12,14 @@ force one backend (``experts=``, ``MOE_EXPERTS``, a policy) where that matters.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import warnings
 from typing import Any, Mapping
 
 import torch
 
 from moe.errors import MoEConfigError, SlowPathWarning
-from moe.kernel import ModularKernel
+from moe.kernel import ModularKernel, check_hidden
 from moe.loaders import load_experts, requantize
 from moe.oracle import Plan, Policy, plan
 from moe.oracle.slow_path import slow_path
@@ -27,7 +28,7 @@ from moe.platform import Platform
 from moe.problem import MoEProblem, ParallelConfig
 from moe.registry import experts_classes, get_experts
 from moe.router import Router
-from moe.weights import ExpertWeights
+from moe.weights import ExpertWeights, check_dense_for
 
 
 class FusedMoE(torch.nn.Module):
@@ -51,7 +52,7 @@ class FusedMoE(torch.nn.Module):
         intermediate_size: int,
         *,
         activation: str = "silu",
-        quant: str = "bf16",
+        quant: str | None = None,
         routing: str = "softmax",
         has_bias: bool = False,
         dtype: torch.dtype = torch.bfloat16,
@@ -64,7 +65,8 @@ class FusedMoE(torch.nn.Module):
         **routing_options: Any,
     ):
         super().__init__()
-        # an unquantized scheme name must agree with dtype (quant="fp16" goes with torch.float16)
+        # an unquantized scheme name must agree with dtype (quant="fp16" goes with torch.float16);
+        # quant=None keeps the weights unquantized in dtype
         self.problem = MoEProblem.create(
             num_experts=num_experts,
             top_k=top_k,
@@ -77,8 +79,11 @@ class FusedMoE(torch.nn.Module):
             max_tokens=max_tokens,
             parallel=parallel or ParallelConfig(),
         )
-        self.device = torch.device(device)
+        self.device = _device(device)
+        _check_routing_options(routing_options)
         self.router = Router(routing, num_experts, top_k, **_on_device(routing_options, self.device))
+        _check_instance("platform", platform, Platform, "e.g. Platform.preset('h100'), or None to detect it")
+        _check_instance("policy", policy, Policy, "e.g. Policy(force=('triton',)), or None for the environment's")
         self.platform = Platform.detect(self.device) if platform is None else platform
         self.plan: Plan = plan(self.problem, self.platform, _policy(policy, experts))
         _warn_if_slow(self.plan)
@@ -99,7 +104,8 @@ class FusedMoE(torch.nn.Module):
         index = bisect.bisect_left(self._edges, num_tokens)
         if index == len(self._edges):
             raise MoEConfigError(
-                f"M={num_tokens} tokens exceeds max_tokens={self.problem.max_tokens} this layer was built for"
+                f"hidden_states has M={num_tokens} tokens, which exceeds max_tokens={self.problem.max_tokens} "
+                "this layer was built for; build it with a larger max_tokens or split the batch"
             )
         return self._bucket_kernels[index]
 
@@ -117,13 +123,21 @@ class FusedMoE(torch.nn.Module):
 
     # --- load ------------------------------------------------------------------------------------
     def load_weights(self, *, w13: torch.Tensor, w2: torch.Tensor, b13=None, b2=None) -> None:
-        """Dense float weights in the canonical layout; quantized here to the layer's scheme."""
+        """Dense float weights in the canonical layout; quantized here to the layer's scheme.
+
+        ``w13 [E, 2I, H]`` rows ``[gate; up]`` (non-gated activations: ``[E, I, H]``), ``w2 [E, H, I]``,
+        ``b13 [E, 2I]``, ``b2 [E, H]`` (biases only when built with ``has_bias=True``); E is the layer's
+        num_experts or, under expert parallelism, this rank's count.
+        """
+        check_dense_for(self.problem, w13=w13, w2=w2, b13=b13, b2=b2)
         weights = ExpertWeights.from_dense(w13, w2, b13, b2, quant=self.problem.quant, dtype=self.problem.dtype)
         self._install(weights)
 
     def load_checkpoint(self, tensors: Mapping[str, torch.Tensor], layout: str, *, prefix: str = "") -> None:
         """Expert tensors as a checkpoint stores them (see ``moe.loaders``), re-quantized if needed."""
-        weights = load_experts(tensors, layout, num_experts=self.problem.num_experts, prefix=prefix)
+        p = self.problem
+        weights = load_experts(tensors, layout, num_experts=p.num_experts, prefix=prefix,
+                               hidden_size=p.hidden_size, intermediate_size=p.intermediate_size)
         self._install(requantize(weights, self.problem.quant, dtype=self.problem.dtype))
 
     def _install(self, weights: ExpertWeights) -> None:
@@ -150,17 +164,68 @@ class FusedMoE(torch.nn.Module):
         """``[M, H]``; ``shared_output`` (a shared expert's result, DeepSeek-style) is added in finalize."""
         if not self._prepared:
             raise MoEConfigError("FusedMoE has no weights; call load_weights or load_checkpoint first")
-        if router_logits.dim() != 2 or router_logits.shape[0] != hidden_states.shape[0]:
-            raise MoEConfigError(
-                f"router_logits must be [M, num_experts] with M = hidden_states.shape[0] = "
-                f"{hidden_states.shape[0]} (got {list(router_logits.shape)})"
-            )
-        kernel = self.kernel_for(hidden_states.shape[0] if hidden_states.dim() == 2 else 0)
+        # the layer's own argument names and sizes; the kernel checks hidden again under its own name
+        check_hidden(self.problem, self.device, hidden_states, shared_output, name="hidden_states", owner="layer")
+        self._check_router_logits(router_logits, hidden_states)
+        kernel = self.kernel_for(hidden_states.shape[0])
         prepared = self._prepared[id(kernel)]
         if kernel.routes_in_kernel(self.router):  # e.g. trtllm-gen routes from the logits itself
             return kernel.forward_logits(hidden_states, router_logits, self.router, prepared, shared_output=shared_output)
         return kernel.forward(hidden_states, self.router(router_logits), prepared, validate=False,
                               shared_output=shared_output)
+
+    def _check_router_logits(self, router_logits: torch.Tensor, hidden_states: torch.Tensor) -> None:
+        p, tokens = self.problem, hidden_states.shape[0]
+        want = f"[M, num_experts] = [{tokens}, {p.num_experts}] (M = hidden_states.shape[0])"
+        if not isinstance(router_logits, torch.Tensor):
+            raise MoEConfigError(f"router_logits must be a torch.Tensor {want} (got {type(router_logits).__name__})")
+        if tuple(router_logits.shape) != (tokens, p.num_experts):
+            raise MoEConfigError(
+                f"router_logits must be {want} (got shape {list(router_logits.shape)}); the layer was built for {p.sizes}"
+            )
+        if not router_logits.is_floating_point():
+            raise MoEConfigError(f"router_logits must be floating point (got {router_logits.dtype})")
+        if router_logits.device != hidden_states.device:
+            raise MoEConfigError(
+                f"router_logits is on {router_logits.device} but hidden_states is on {hidden_states.device}"
+            )
+
+
+# what FusedMoE passes on to Router besides the routing, E and k (read from Router, not listed twice)
+_ROUTING_OPTIONS = tuple(f.name for f in dataclasses.fields(Router) if f.name not in ("routing", "num_experts", "top_k"))
+
+
+def _device(device: Any) -> torch.device:
+    """``device`` as a torch.device that exists here (cpu or cuda); `MoEConfigError` otherwise."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise MoEConfigError(f"device: {device!r} is not a device moe runs on; use 'cpu' or 'cuda' (or 'cuda:N')")
+    count = torch.cuda.device_count() if parsed.type == "cuda" and torch.cuda.is_available() else 0
+    if parsed.type == "cuda" and count == 0:
+        raise MoEConfigError(
+            f"device: {device!r} but torch.cuda.is_available() is False here (torch {torch.__version__}: no GPU, "
+            "or a CPU-only build); use device='cpu'"
+        )
+    if parsed.type == "cuda" and (parsed.index or 0) >= count:
+        raise MoEConfigError(f"device: {device!r} but this machine has {count} CUDA device(s): cuda:0..cuda:{count - 1}")
+    return parsed
+
+
+def _check_routing_options(options: dict) -> None:
+    unknown = sorted(set(options) - set(_ROUTING_OPTIONS))
+    if unknown:
+        raise MoEConfigError(
+            f"FusedMoE got unknown keyword argument(s) {unknown}; besides its named arguments it takes the "
+            f"routing options {', '.join(_ROUTING_OPTIONS)}"
+        )
+
+
+def _check_instance(name: str, value: Any, cls: type, example: str) -> None:
+    if value is not None and not isinstance(value, cls):
+        raise MoEConfigError(f"{name} must be a {cls.__name__} or None (got {type(value).__name__} {value!r}); {example}")
 
 
 def _warn_if_slow(layer_plan: Plan) -> None:

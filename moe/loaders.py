@@ -62,6 +62,11 @@ _PER_EXPERT_NAMES = {
     "mixtral": ("w1", "w3", "w2"),
 }
 _E8M0_NAN = 0xFF  # the e8m0 encoding of NaN
+# a key each layout always has, to name the layout a checkpoint looks like when it is loaded as another
+_FIRST_KEYS = {
+    **{layout: f"experts.0.{names[0]}.weight" for layout, names in _PER_EXPERT_NAMES.items() if layout != "deepseek"},
+    "gpt_oss": "experts.down_proj_bias",
+}
 
 
 def load_experts(
@@ -71,22 +76,33 @@ def load_experts(
     num_experts: int,
     prefix: str = "",
     dtype: torch.dtype | None = None,
+    hidden_size: int | None = None,
+    intermediate_size: int | None = None,
 ) -> ExpertWeights:
     """Reads one MoE layer's experts stored in ``layout`` (one of `LAYOUTS`) from ``tensors``.
 
     ``prefix`` is prepended to every key ("model.layers.3.mlp."). ``dtype`` is the storage dtype
     of unquantized weights (None: the checkpoint's); an MXFP4 gpt_oss checkpoint stays MXFP4 and
-    ignores it (`requantize` converts). Raises `MoEConfigError` naming the key for a missing key,
-    a wrong shape or dtype, experts of different sizes and NaN.
+    ignores it (`requantize` converts). ``hidden_size`` / ``intermediate_size``, when given (a
+    layer's H and I), are checked on the first tensor read, so a transposed or foreign tensor is
+    named itself rather than the next one that disagrees with it. Raises `MoEConfigError` naming
+    the key for a missing key, a wrong shape or dtype, experts of different sizes and NaN.
     """
     if layout not in LAYOUTS:
         raise MoEConfigError(f"layout: unknown checkpoint layout {layout!r}; choose one of {LAYOUTS}")
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
         raise MoEConfigError(f"num_experts must be a positive int (got {num_experts!r})")
-    checkpoint = _Checkpoint(tensors, prefix, layout)
+    if not isinstance(tensors, Mapping):
+        raise MoEConfigError(
+            f"tensors: expected a mapping of key -> torch.Tensor such as a state dict (got {type(tensors).__name__})"
+        )
+    if not isinstance(prefix, str):
+        raise MoEConfigError(f"prefix: expected a str such as 'model.layers.3.mlp.' (got {prefix!r})")
+    sizes = _Sizes(hidden_size, intermediate_size)
+    checkpoint = _Checkpoint(tensors, prefix, layout, sizes.note())
     if layout == "gpt_oss":
-        return _load_gpt_oss(checkpoint, num_experts, dtype)
-    return _load_per_expert(checkpoint, num_experts, dtype)
+        return _load_gpt_oss(checkpoint, num_experts, dtype, sizes)
+    return _load_per_expert(checkpoint, num_experts, dtype, sizes)
 
 
 def requantize(
@@ -110,22 +126,44 @@ def requantize(
 
 
 @dataclasses.dataclass(frozen=True)
+class _Sizes:
+    """The H and I a layer expects of a checkpoint, when known (None: whatever the checkpoint holds)."""
+
+    hidden: int | None = None
+    inter: int | None = None
+
+    def note(self) -> str:
+        known = [f"{n}={v}" for n, v in (("H", self.hidden), ("I", self.inter)) if v is not None]
+        return f" (the layer has {', '.join(known)})" if known else ""
+
+    @property
+    def gate_up_rows(self) -> int | None:
+        """2I, the rows of gate and up together."""
+        return None if self.inter is None else 2 * self.inter
+
+
+@dataclasses.dataclass(frozen=True)
 class _Checkpoint:
     """One layer's tensors, read by key relative to ``prefix``; every error names the full key."""
 
     tensors: Mapping[str, torch.Tensor]
     prefix: str
     layout: str  # named in errors: "mixtral", "gpt_oss (MXFP4 form)"
+    sizes_note: str = ""  # " (the layer has H=.., I=..)": said with every shape error
 
     def has(self, key: str) -> bool:
         return self.prefix + key in self.tensors
 
     def missing(self, *keys: str) -> MoEConfigError:
         names = " or ".join(repr(self.prefix + k) for k in keys)
-        near = sorted(k for k in self.tensors if k.startswith(self.prefix))[:6]
+        near = sorted(k for k in self.tensors if isinstance(k, str) and k.startswith(self.prefix))[:6]
+        dotted = self.prefix + "." + keys[0]
+        hint = f"; did you mean prefix={self.prefix + '.'!r}?" if self.prefix and dotted in self.tensors else ""
+        others = [name for name, key in _FIRST_KEYS.items() if name != self.layout.split()[0] and self.has(key)]
+        hint += f"; the keys look like the {others[0]!r} layout" if others and not hint else ""
         return MoEConfigError(
             f"missing key {names}, which the {self.layout} layout expects; "
-            f"keys under prefix {self.prefix!r} start with {near or 'nothing'}"
+            f"keys under prefix {self.prefix!r} start with {near or 'nothing'}{hint}"
         )
 
     def get(
@@ -161,19 +199,19 @@ class _Checkpoint:
         got = tuple(tensor.shape)
         if len(got) != len(shape) or any(w is not None and w != g for w, g in zip(shape, got)):
             want = "(" + ", ".join("*" if w is None else str(w) for w in shape) + ")"
-            raise MoEConfigError(f"{full!r}: expected shape {dims} = {want}{note} (got {got})")
+            raise MoEConfigError(f"{full!r}: expected shape {dims} = {want}{note}{self.sizes_note} (got {got})")
         if tensor.dtype.is_floating_point:
             check_finite(repr(full), tensor)
         return tensor
 
 
 def _load_per_expert(
-    checkpoint: _Checkpoint, num_experts: int, dtype: torch.dtype | None
+    checkpoint: _Checkpoint, num_experts: int, dtype: torch.dtype | None, sizes: _Sizes
 ) -> ExpertWeights:
     """qwen3 / deepseek / mixtral: three nn.Linear weights ``[out, in]`` per expert."""
     gate_name, up_name, down_name = _PER_EXPERT_NAMES[checkpoint.layout]
     first = f"experts.0.{gate_name}.weight"
-    reference = checkpoint.get(first, "[I, H]", (None, None))
+    reference = checkpoint.get(first, "[I, H]", (sizes.inter, sizes.hidden))
     (inter, hidden), stored = reference.shape, reference.dtype
     beyond = f"experts.{num_experts}.{gate_name}.weight"
     if checkpoint.has(beyond):
@@ -193,22 +231,23 @@ def _load_per_expert(
 
 
 def _load_gpt_oss(
-    checkpoint: _Checkpoint, num_experts: int, dtype: torch.dtype | None
+    checkpoint: _Checkpoint, num_experts: int, dtype: torch.dtype | None, sizes: _Sizes
 ) -> ExpertWeights:
     """The MXFP4 form when its blocks are present, else the bf16 form."""
     if checkpoint.has("experts.gate_up_proj_blocks"):
         mxfp4 = dataclasses.replace(checkpoint, layout="gpt_oss (MXFP4 form)")
-        return _load_gpt_oss_mxfp4(mxfp4, num_experts)
+        return _load_gpt_oss_mxfp4(mxfp4, num_experts, sizes)
     if checkpoint.has("experts.gate_up_proj"):
         dense = dataclasses.replace(checkpoint, layout="gpt_oss (bf16 form)")
-        return _load_gpt_oss_dense(dense, num_experts, dtype)
+        return _load_gpt_oss_dense(dense, num_experts, dtype, sizes)
     raise checkpoint.missing("experts.gate_up_proj", "experts.gate_up_proj_blocks")
 
 
 def _load_gpt_oss_dense(
-    checkpoint: _Checkpoint, num_experts: int, dtype: torch.dtype | None
+    checkpoint: _Checkpoint, num_experts: int, dtype: torch.dtype | None, sizes: _Sizes
 ) -> ExpertWeights:
-    gate_up = checkpoint.get("experts.gate_up_proj", "[E, H, 2I]", (num_experts, None, None))
+    gate_up_shape = (num_experts, sizes.hidden, sizes.gate_up_rows)
+    gate_up = checkpoint.get("experts.gate_up_proj", "[E, H, 2I]", gate_up_shape)
     _, hidden, rows = gate_up.shape
     _check_even_rows(checkpoint, "experts.gate_up_proj", rows, multiple=1)
     down = checkpoint.get("experts.down_proj", "[E, I, H]", (num_experts, rows // 2, hidden))
@@ -217,10 +256,12 @@ def _load_gpt_oss_dense(
     return ExpertWeights.from_dense(w13, down.transpose(1, 2).contiguous(), b13, b2, dtype=dtype)
 
 
-def _load_gpt_oss_mxfp4(checkpoint: _Checkpoint, num_experts: int) -> ExpertWeights:
+def _load_gpt_oss_mxfp4(checkpoint: _Checkpoint, num_experts: int, sizes: _Sizes) -> ExpertWeights:
     block_bytes = MX_BLOCK // 2
     key = "experts.gate_up_proj_blocks"
-    blocks = checkpoint.get(key, "[E, 2I, H/32, 16]", (num_experts, None, None, block_bytes))
+    hidden_blocks = None if sizes.hidden is None or sizes.hidden % MX_BLOCK else sizes.hidden // MX_BLOCK
+    blocks_shape = (num_experts, sizes.gate_up_rows, hidden_blocks, block_bytes)
+    blocks = checkpoint.get(key, "[E, 2I, H/32, 16]", blocks_shape)
     experts, rows, hidden_blocks, _ = blocks.shape
     _check_even_rows(checkpoint, key, rows, multiple=MX_BLOCK)
     hidden, inter = hidden_blocks * MX_BLOCK, rows // 2

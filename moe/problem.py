@@ -24,6 +24,18 @@ def _positive(name: str, value: Any) -> None:
         raise MoEConfigError(f"{name} must be a positive int (got {value!r})")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_dtype(dtype: Any) -> None:
+    """Raises `MoEConfigError` unless ``dtype`` is one of the activation dtypes in `DTYPES`."""
+    if dtype not in DTYPES.values():
+        names = ", ".join(f"torch.{name}" for name in ("bfloat16", "float16", "float32"))
+        hint = f"; use {DTYPES[dtype]} for {dtype!r}" if isinstance(dtype, str) and dtype in DTYPES else ""
+        raise MoEConfigError(f"dtype must be one of {names} (got {dtype!r}){hint}")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Expert parallelism: this rank owns ``local_num_experts`` of the ``E`` experts.
@@ -41,9 +53,14 @@ class ParallelConfig:
 
     def __post_init__(self):
         _positive("ep_size", self.ep_size)
-        if not (isinstance(self.ep_rank, int) and 0 <= self.ep_rank < self.ep_size):
-            raise MoEConfigError(f"ep_rank must be in [0, ep_size={self.ep_size}) (got {self.ep_rank!r})")
+        if not (_is_int(self.ep_rank) and 0 <= self.ep_rank < self.ep_size):
+            raise MoEConfigError(f"ep_rank must be in [0, ep_size={self.ep_size}), an int (got {self.ep_rank!r})")
         if self.expert_map is not None:
+            if not isinstance(self.expert_map, (tuple, list)) or not all(_is_int(i) for i in self.expert_map):
+                raise MoEConfigError(
+                    f"expert_map must be a sequence of ints, one per global expert (got {self.expert_map!r})"
+                )
+            object.__setattr__(self, "expert_map", tuple(self.expert_map))  # a list would make it unhashable
             local = sorted(i for i in self.expert_map if i >= 0)
             if local != list(range(len(local))) or any(i < -1 for i in self.expert_map):
                 raise MoEConfigError(
@@ -108,15 +125,31 @@ class MoEProblem:
             raise MoEConfigError(
                 f"top_k must be <= num_experts (got top_k={self.top_k}, num_experts={self.num_experts})"
             )
-        if self.dtype not in DTYPES.values():
-            raise MoEConfigError(
-                f"dtype must be one of torch.bfloat16, torch.float16, torch.float32 (got {self.dtype})"
-            )
+        check_dtype(self.dtype)
+        names = "; MoEProblem.create(...) takes names"
         if not isinstance(self.activation, Activation):
-            raise MoEConfigError(f"activation must be an Activation (got {self.activation!r})")
+            raise MoEConfigError(f"activation must be an Activation (got {self.activation!r}){names}")
         if not isinstance(self.quant, QuantScheme):
-            raise MoEConfigError(f"quant must be a QuantScheme (got {self.quant!r})")
+            raise MoEConfigError(f"quant must be a QuantScheme (got {self.quant!r}){names}")
+        if not isinstance(self.has_bias, bool):
+            raise MoEConfigError(f"has_bias must be a bool (got {self.has_bias!r})")
+        if not isinstance(self.parallel, ParallelConfig):
+            raise MoEConfigError(
+                f"parallel must be a ParallelConfig (got {self.parallel!r}); e.g. ParallelConfig(ep_size=2, ep_rank=0)"
+            )
         self.parallel.global_to_local(self.num_experts)  # validates the sharding against E
+        self._check_scale_blocks()
+
+    def _check_scale_blocks(self) -> None:
+        """H and I are the K of a GEMM each; micro-scaled formats need K a multiple of their scale block."""
+        for fmt in (self.quant.weight, self.quant.activation):
+            for name, size in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
+                if size % fmt.k_multiple:
+                    raise MoEConfigError(
+                        f"{name} must be a multiple of {fmt.k_multiple} for quant={self.quant.name} "
+                        f"({fmt.value} stores one scale per {fmt.k_multiple} elements; got {size}); "
+                        "pad the weights or choose another scheme"
+                    )
 
     @classmethod
     def create(
@@ -127,11 +160,19 @@ class MoEProblem:
         hidden_size: int,
         intermediate_size: int,
         activation: "str | Activation" = "silu",
-        quant: "str | QuantScheme" = "bf16",
+        quant: "str | QuantScheme | None" = None,
         dtype: torch.dtype | None = None,
         **kwargs: Any,
     ) -> "MoEProblem":
-        """Builds a problem from names; an unquantized scheme name ("bf16") also sets the dtype."""
+        """Builds a problem from names; an unquantized scheme name ("bf16") also sets the dtype.
+
+        ``quant=None`` keeps the weights unquantized in ``dtype`` (default bf16), so passing only
+        ``dtype=torch.float32`` means fp32 weights and activations.
+        """
+        if dtype is not None:
+            check_dtype(dtype)
+        if quant is None:
+            quant = "unquantized"
         if isinstance(quant, str):
             named_dtype = UNQUANTIZED.get(quant)
             if named_dtype is not None and dtype is not None and dtype != named_dtype:
@@ -166,3 +207,11 @@ class MoEProblem:
         if self.quant.is_quantized:
             return self.quant.name
         return next(name for name, dt in DTYPES.items() if dt == self.dtype)
+
+    @property
+    def sizes(self) -> str:
+        """The sizes that error messages quote: ``"E=8, k=2, H=4096, I=14336"`` (and the local E under EP)."""
+        experts = f"E={self.num_experts}"
+        if self.parallel.enabled:
+            experts += f" ({self.local_num_experts} on this rank)"
+        return f"{experts}, k={self.top_k}, H={self.hidden_size}, I={self.intermediate_size}"

@@ -52,6 +52,12 @@ class TopK:
     weights: torch.Tensor  # float32 [M, k]: router weight of each chosen expert
 
     def __post_init__(self):
+        for name in ("ids", "weights"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise MoEConfigError(
+                    f"TopK {name} must be a torch.Tensor [M, k] (got {type(getattr(self, name)).__name__}); "
+                    "a Router builds a TopK from router logits"
+                )
         if self.ids.dim() != 2 or self.ids.shape != self.weights.shape:
             raise MoEConfigError(
                 f"TopK ids and weights must both be [M, k] with the same shape "
@@ -278,6 +284,9 @@ class Router:
         if self.routing == "deepseek_v3":
             _check_groups(self.num_experts, self.top_k, self.n_group, self.topk_group)
             _check_correction_bias(self.correction_bias, self.num_experts)
+            # once, here: a NaN bias would pick arbitrary experts; the per-call check cannot read values
+            if self.correction_bias is not None and not bool(torch.isfinite(self.correction_bias).all()):
+                raise MoEConfigError("correction_bias contains NaN or inf; every expert's bias must be finite")
             return
         for name in _GROUP_OPTIONS:
             if getattr(self, name) is not None:

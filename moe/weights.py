@@ -158,7 +158,8 @@ class ExpertWeights:
         reasons = _size_mismatches(self, problem) + _storage_mismatches(self, problem)
         if reasons:
             raise MoEConfigError(
-                "ExpertWeights do not match the problem:\n" + "\n".join(f"  - {r}" for r in reasons)
+                f"ExpertWeights do not match the problem ({problem.sizes}, activation {problem.activation}, "
+                f"quant {problem.quant_name}):\n" + "\n".join(f"  - {r}" for r in reasons)
             )
 
     def to(self, device: "torch.device | str") -> "ExpertWeights":
@@ -219,15 +220,57 @@ def resolve_quant(
     )
 
 
-def check_dense(name: str, tensor: torch.Tensor, dims: int) -> None:
-    """Raises `MoEConfigError` unless ``tensor`` is a finite fp32/fp16/bf16 tensor of ``dims`` dims."""
+def check_dense(name: str, tensor: torch.Tensor, dims: int, *, finite: bool = True) -> None:
+    """Raises `MoEConfigError` unless ``tensor`` is a fp32/fp16/bf16 tensor of ``dims`` dims with values
+    (not on the meta device), finite unless ``finite=False``."""
     if not isinstance(tensor, torch.Tensor):
         raise MoEConfigError(f"{name}: expected a torch.Tensor (got {type(tensor).__name__})")
     if tensor.dtype not in DENSE_DTYPES:
         raise MoEConfigError(f"{name}: dtype must be one of {DENSE_DTYPES} (got {tensor.dtype})")
     if tensor.dim() != dims:
         raise MoEConfigError(f"{name}: must be {dims}-D (got shape {tuple(tensor.shape)})")
-    check_finite(name, tensor)
+    if tensor.device.type == "meta":
+        raise MoEConfigError(f"{name}: a meta tensor {tuple(tensor.shape)} holds no values; load the real weights")
+    if finite:
+        check_finite(name, tensor)
+
+
+def expected_dense_shapes(problem: "MoEProblem", experts: int | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{name: (dims, shape)}`` of dense ``w13``, ``w2``, ``b13``, ``b2`` for ``problem`` with ``experts``
+    experts (default: all E), e.g. ``"w13": ("[E, 2I, H] rows [gate; up]", (8, 28672, 4096))``."""
+    p = problem
+    experts = p.num_experts if experts is None else experts
+    rows = "[E, 2I, H] rows [gate; up]" if p.activation.is_gated else f"[E, I, H] ({p.activation} is not gated)"
+    return {
+        "w13": (rows, (experts, p.w13_rows, p.hidden_size)),
+        "w2": ("[E, H, I]", (experts, p.hidden_size, p.intermediate_size)),
+        "b13": ("[E, 2I]" if p.activation.is_gated else "[E, I]", (experts, p.w13_rows)),
+        "b2": ("[E, H]", (experts, p.hidden_size)),
+    }
+
+
+def check_dense_for(problem: "MoEProblem", **tensors: torch.Tensor | None) -> None:
+    """Raises `MoEConfigError` naming the first of ``w13``, ``w2``, ``b13``, ``b2`` that is not a dense
+    float tensor of the shape a layer of ``problem`` expects, quoting its sizes. E may be the problem's
+    num_experts or, under expert parallelism, this rank's count. NaN is `from_dense`'s to find."""
+    p = problem
+    layer = f"this layer ({p.sizes}, activation {p.activation})"
+    if p.parallel.enabled:
+        layer += f"; E may also be this rank's {p.local_num_experts}"
+    for name, (dims, shape) in expected_dense_shapes(p).items():
+        tensor, is_bias = tensors.get(name), name.startswith("b")
+        if tensor is None and (p.has_bias or not is_bias):
+            raise MoEConfigError(f"{name}: missing; {layer} needs {dims} (has_bias={p.has_bias})")
+        if tensor is not None and is_bias and not p.has_bias:
+            raise MoEConfigError(f"{name}: given, but the layer was built with has_bias=False; build it with has_bias=True")
+        if tensor is None:
+            continue
+        check_dense(name, tensor, len(shape), finite=False)
+        got = tuple(tensor.shape)
+        if got[1:] != shape[1:] or got[0] not in (p.num_experts, p.local_num_experts):
+            flipped = len(got) == 3 and got[0] == shape[0] and got[1:] == shape[:0:-1]
+            hint = f"; it looks transposed: pass {name}.transpose(1, 2)" if flipped else ""
+            raise MoEConfigError(f"{name}: expected shape {dims} = {list(shape)} for {layer} (got {list(got)}){hint}")
 
 
 def check_finite(name: str, tensor: torch.Tensor) -> None:
@@ -243,11 +286,13 @@ def check_shapes(
     """Checks the unpacked shapes ``w13 [E, R, H]``, ``w2 [E, H, I]`` (R = I or 2I) and the biases."""
     experts, rows, hidden = w13
     if w2[0] != experts or w2[1] != hidden:
-        raise MoEConfigError(
+        raise MoEConfigError(_transposed(w13, w2) or (
             f"w2: expected shape [E={experts}, H={hidden}, I] to match w13 [E, R, H] = {list(w13)} "
             f"(got {list(w2)})"
-        )
+        ))
     inter = w2[2]
+    if min(hidden, inter) < 1:
+        raise MoEConfigError(f"w13 {list(w13)} and w2 {list(w2)}: H and I must be >= 1 (got H={hidden}, I={inter})")
     if rows not in (inter, 2 * inter):
         raise MoEConfigError(
             f"w13: rows R must be 2I={2 * inter} ([gate; up], gated) or I={inter} (non-gated), "
@@ -256,6 +301,24 @@ def check_shapes(
     for name, bias, expected in (("b13", b13, (experts, rows)), ("b2", b2, (experts, hidden))):
         if bias is not None and tuple(bias.shape) != expected:
             raise MoEConfigError(f"{name}: expected shape {list(expected)} (got {list(bias.shape)})")
+
+
+def _transposed(w13: tuple[int, ...], w2: tuple[int, ...]) -> str | None:
+    """The message for ``w13`` given as ``[E, H, R]`` and/or ``w2`` as ``[E, I, H]`` (an ``[in, out]``
+    layout read the other way), when the shapes say so; None otherwise."""
+    if w13[0] != w2[0]:
+        return None
+    flip = lambda shape: (shape[0], shape[2], shape[1])  # noqa: E731
+    for names, (as13, as2) in (("w13", (flip(w13), w2)), ("w2", (w13, flip(w2))),
+                               ("w13 and w2", (flip(w13), flip(w2)))):
+        if as13[2] == as2[1] and as13[1] in (as2[2], 2 * as2[2]):
+            fix = ", ".join(f"{name}.transpose(1, 2)" for name in names.split(" and "))
+            return (
+                f"{names}: transposed, by their shapes (got w13 {list(w13)}, w2 {list(w2)}); expected "
+                f"w13 {list(as13)} as [E, R, H] (R = 2I rows [gate; up], or I when not gated) and "
+                f"w2 {list(as2)} as [E, H, I]; pass {fix}"
+            )
+    return None
 
 
 def expected_scales(
@@ -287,6 +350,10 @@ def _store(x: torch.Tensor, fmt: QuantFormat) -> QuantizedTensor:
 
 def _size_mismatches(weights: ExpertWeights, problem: "MoEProblem") -> list[str]:
     reasons = []
+    for name, (dims, shape) in list(expected_dense_shapes(problem, problem.local_num_experts).items())[:2]:
+        got = tuple(getattr(weights, name).shape)
+        if got != shape:
+            reasons.append(f"{name}: the weights are {list(got)}, the problem needs {dims} = {list(shape)}")
     sizes = (
         ("num_experts (local)", weights.num_experts, problem.local_num_experts),
         ("hidden_size H", weights.hidden_size, problem.hidden_size),

@@ -144,7 +144,7 @@ def test_forward_errors():
         layer(torch.randn(3, H), torch.randn(2, E))
     with pytest.raises(MoEConfigError, match="num_experts|last dim"):
         layer(torch.randn(3, H), torch.randn(3, E + 1))
-    with pytest.raises(MoEConfigError, match="hidden must be torch.float32"):
+    with pytest.raises(MoEConfigError, match=r"hidden_states must be torch.float32.*\(got torch.float16\)"):
         layer(torch.randn(3, H).half(), torch.randn(3, E))
 
 

@@ -11,6 +11,8 @@ Lifecycle: ``cls.check(problem, platform)`` -> ``experts = cls(problem)`` ->
 
 from __future__ import annotations
 
+import functools
+import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
@@ -19,7 +21,7 @@ import torch
 
 from moe.activation import ActivationKind
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
-from moe.errors import UnsupportedError
+from moe.errors import MoEConfigError, UnsupportedError
 from moe.platform import Platform, missing_library_reason
 from moe.problem import MoEProblem
 from moe.quant import QuantFormat
@@ -61,10 +63,30 @@ def _fmt_cc(cc: tuple[int, int]) -> str:
 
 
 class Experts(ABC):
-    """Base class of every Experts backend. Subclasses set ``name`` and ``capabilities``."""
+    """Base class of every Experts backend. Subclasses set ``name`` and ``capabilities``, and
+    ``prepared_type`` when ``prepare_weights`` returns something other than `ExpertWeights`."""
 
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
+    # What prepare_weights returns and apply reads. apply checks its weights against it first, so
+    # weights that were never prepared fail naming the call that prepares them, not with an
+    # AttributeError inside a kernel.
+    prepared_type: ClassVar[type] = ExpertWeights
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        if "prepare_weights" in cls.__dict__ and "prepared_type" not in cls.__dict__:
+            # converts the weights without declaring to what (a plugin written before prepared_type):
+            # trust prepare_weights' return annotation, else check nothing rather than refuse good weights
+            cls.prepared_type = _returned_type(cls.prepare_weights)
+            if "prepared_sizes" not in cls.__dict__:  # the parent's reads the parent's prepared type
+                cls.prepared_sizes = Experts.prepared_sizes
+        # apply is called directly (the conformance kit, bench, users) as well as by ModularKernel,
+        # so the check wraps each class's own apply instead of living in one of its callers
+        if "apply" in cls.__dict__:
+            cls.apply = _checking_apply(cls.__dict__["apply"])
+        if "apply_router_logits" in cls.__dict__:
+            cls.apply_router_logits = _checking_apply_router_logits(cls.__dict__["apply_router_logits"])
 
     def __init__(self, problem: MoEProblem):
         reasons = self.check(problem, platform=None)  # the platform is the oracle's (or layer's) concern
@@ -137,6 +159,34 @@ class Experts(ABC):
         weights.validate(self.problem)
         return weights
 
+    def check_prepared(self, weights: Any, *, sizes: bool = False) -> None:
+        """Raises `MoEConfigError` unless ``weights`` is what this class's ``prepare_weights`` returns;
+        with ``sizes``, also unless they hold this problem's E (local), H and I (where `prepared_sizes`
+        can tell)."""
+        if not isinstance(weights, self.prepared_type):
+            wanted = self.prepared_type.__name__
+            if isinstance(weights, ExpertWeights):
+                got = "unprepared ExpertWeights (the canonical layout)"
+            else:
+                got = "None" if weights is None else f"{type(weights).__name__} (prepared by another backend?)"
+            raise MoEConfigError(
+                f"weights: {self.name} computes on the {wanted} its prepare_weights returns, got {got}; "
+                "call prepared = experts.prepare_weights(weights) once at load and pass prepared to apply/forward"
+            )
+        held = self.prepared_sizes(weights) if sizes else None
+        p = self.problem
+        if held is not None and tuple(held) != (p.local_num_experts, p.hidden_size, p.intermediate_size):
+            raise MoEConfigError(
+                "weights: prepared for E={}, H={}, I={}, but {} was built for {}; prepare them with this "
+                "instance: experts.prepare_weights(weights)".format(*held, self.name, p.sizes)
+            )
+
+    def prepared_sizes(self, weights: Any) -> tuple[int, int, int] | None:
+        """``(E local, H, I)`` that prepared ``weights`` hold, read from their shapes; None: cannot tell."""
+        if isinstance(weights, ExpertWeights):
+            return weights.num_experts, weights.hidden_size, weights.intermediate_size
+        return None
+
     def warmup(self, weights: Any, buckets: tuple[int, ...] | None = None) -> None:
         """Once after ``prepare_weights``, before serving or CUDA-graph capture: tune or compile for
         the token counts in ``buckets`` (upper edges). Nothing by default; libraries that autotune
@@ -157,3 +207,30 @@ class Experts(ABC):
     @abstractmethod
     def apply(self, dispatched: Dispatched, weights: Any, workspace: Workspace) -> ExpertsOutput:
         """Computes the experts on ``dispatched`` into ``workspace``; allocates nothing else."""
+
+
+def _returned_type(prepare_weights: Any) -> type:
+    """The class ``prepare_weights`` is annotated to return; ``object`` (anything) when that is unknown."""
+    try:
+        returned = typing.get_type_hints(prepare_weights).get("return")
+    except (NameError, TypeError, AttributeError):  # an annotation that does not resolve: check nothing
+        return object
+    return returned if isinstance(returned, type) else object
+
+
+def _checking_apply(apply: Any) -> Any:
+    @functools.wraps(apply)
+    def checked(self: Experts, dispatched: Dispatched, weights: Any, workspace: Workspace) -> ExpertsOutput:
+        self.check_prepared(weights)
+        return apply(self, dispatched, weights, workspace)
+
+    return checked
+
+
+def _checking_apply_router_logits(apply_router_logits: Any) -> Any:
+    @functools.wraps(apply_router_logits)
+    def checked(self: Experts, hidden, router_logits, router, weights: Any, workspace: Workspace) -> ExpertsOutput:
+        self.check_prepared(weights)
+        return apply_router_logits(self, hidden, router_logits, router, weights, workspace)
+
+    return checked

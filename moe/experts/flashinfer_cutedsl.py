@@ -70,6 +70,7 @@ def _swiglu_floats(problem: MoEProblem) -> dict[str, float]:
 @register_experts
 class FlashInferCuteDslExperts(Experts):
     name = "flashinfer_cutedsl"
+    prepared_type = CuteDslWeights
     capabilities = Capabilities(
         formats=frozenset({ActivationFormat.STANDARD}),
         quant=frozenset(CUTEDSL_MODES),
@@ -155,6 +156,7 @@ class FlashInferCuteDslExperts(Experts):
 @register_experts
 class FlashInferCuteDslBatchedExperts(Experts):
     name = "flashinfer_cutedsl_batched"
+    prepared_type = CuteDslWeights
     capabilities = Capabilities(
         formats=frozenset({ActivationFormat.BATCHED}),
         quant=frozenset(BATCHED_MODES),

@@ -90,6 +90,7 @@ DEFAULT_TUNING_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 409
 @register_experts
 class FlashInferCutlassExperts(Experts):
     name = "flashinfer_cutlass"
+    prepared_type = CutlassWeights
     capabilities = Capabilities(
         formats=frozenset({ActivationFormat.STANDARD}),
         quant=frozenset(CUTLASS_MODES),

@@ -94,6 +94,7 @@ def routing_arguments(router: Router) -> dict[str, Any]:
 @register_experts
 class FlashInferTrtllmExperts(Experts):
     name = "flashinfer_trtllm"
+    prepared_type = TrtllmWeights
     capabilities = Capabilities(
         formats=frozenset({ActivationFormat.STANDARD}),
         quant=frozenset(TRTLLM_MODES),

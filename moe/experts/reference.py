@@ -66,6 +66,7 @@ def dequantize_rows(x: QuantizedTensor, rows: torch.Tensor | None = None) -> tor
 @register_experts
 class ReferenceExperts(Experts):
     name = "reference"
+    prepared_type = DenseWeights
     capabilities = Capabilities(
         formats=frozenset(ActivationFormat),
         quant=SCHEME_PAIRS,
@@ -77,6 +78,9 @@ class ReferenceExperts(Experts):
     def prepare_weights(self, weights: ExpertWeights) -> DenseWeights:
         weights.validate(self.problem)
         return dense_weights(weights, self.problem)
+
+    def prepared_sizes(self, weights: DenseWeights) -> tuple[int, int, int]:
+        return weights.w2.shape[0], weights.w2.shape[1], weights.w2.shape[2]
 
     def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
         p = self.problem

@@ -71,6 +71,7 @@ def grouped_mm_serves(problem: MoEProblem, platform: Platform) -> bool:
 @register_experts
 class TorchGroupedExperts(Experts):
     name = "torch_grouped"
+    prepared_type = GroupedWeights
     capabilities = Capabilities(
         formats=frozenset({ActivationFormat.STANDARD}),
         quant=frozenset({(QuantFormat.NONE, QuantFormat.NONE)}),
@@ -88,6 +89,9 @@ class TorchGroupedExperts(Experts):
             group_ids=torch.arange(p.local_num_experts, dtype=torch.int32, device=device),
             grouped_mm=grouped_mm_serves(p, Platform.detect(device)),
         )
+
+    def prepared_sizes(self, weights: GroupedWeights) -> tuple[int, int, int]:
+        return super().prepared_sizes(weights.weights)
 
     def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
         p = self.problem

@@ -45,6 +45,7 @@ from moe.workspace import Workspace, WorkspaceShapes
 @register_experts
 class TritonExperts(Experts):
     name = "triton"
+    prepared_type = TritonWeights
     capabilities = Capabilities(
         formats=frozenset({ActivationFormat.STANDARD}),
         output=OutputKind.REDUCED,
@@ -66,6 +67,9 @@ class TritonExperts(Experts):
         table = ConfigTable.load(config_key(p, "standard", weights.device))
         expert_map = p.parallel.global_to_local(p.num_experts) if p.parallel.enabled else None
         return prepare_triton_weights(weights, expert_map, table)
+
+    def prepared_sizes(self, weights: TritonWeights) -> tuple[int, int, int]:
+        return triton_sizes(weights)
 
     def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
         p = self.problem
@@ -112,3 +116,8 @@ class TritonExperts(Experts):
         # 4. router weights and the sum over k
         combine_slots(y, dispatched.topk.weights, ids, weights.expert_map, out)
         return ExpertsOutput(OutputKind.REDUCED, out)
+
+
+def triton_sizes(weights: TritonWeights) -> tuple[int, int, int]:
+    """``(E local, H, I)`` of Triton weights: w2's operand is ``[E, N = H, K = I]``."""
+    return weights.w2.data.shape[0], weights.w2.data.shape[1], weights.w2.k

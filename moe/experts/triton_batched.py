@@ -23,6 +23,7 @@ from moe.experts._triton.support import (
     quantize_activation,
 )
 from moe.experts._triton.weights import TritonWeights, prepare_triton_weights
+from moe.experts.triton import triton_sizes
 from moe.experts.base import Capabilities, Experts
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
 from moe.platform import Platform
@@ -36,6 +37,7 @@ from moe.workspace import Workspace, WorkspaceShapes
 @register_experts
 class TritonBatchedExperts(Experts):
     name = "triton_batched"
+    prepared_type = TritonWeights
     capabilities = Capabilities(
         formats=frozenset({ActivationFormat.BATCHED}),
         output=OutputKind.PER_SLOT,
@@ -59,6 +61,9 @@ class TritonBatchedExperts(Experts):
         if not table.tuned:
             table = ConfigTable.load(config_key(self.problem, "standard", weights.device))
         return prepare_triton_weights(weights, None, table)
+
+    def prepared_sizes(self, weights: TritonWeights) -> tuple[int, int, int]:
+        return triton_sizes(weights)
 
     def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
         p = self.problem

@@ -236,10 +236,12 @@ def check_batch_dims(x: torch.Tensor, batch_dims: int) -> None:
 
 
 def _check_block(argument: str, block: Sequence[int], length: int) -> None:
-    if len(block) != length or any(int(b) < 1 for b in block):
-        raise MoEConfigError(
-            f"{argument}: must be {length} positive integer(s) (got {tuple(block)})"
-        )
+    is_ints = isinstance(block, (tuple, list)) and all(
+        isinstance(b, int) and not isinstance(b, bool) for b in block
+    )
+    if not is_ints or len(block) != length or any(b < 1 for b in block):
+        shown = tuple(block) if isinstance(block, (tuple, list)) else block
+        raise MoEConfigError(f"{argument}: must be {length} positive integer(s) (got {shown!r})")
 
 
 def _check_payload(

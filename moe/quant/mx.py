@@ -131,11 +131,16 @@ def _scaled_blocks(
 
 def _apply_block_scales(values: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
     """values ``[..., K]`` times the decoded scale ``[..., K/32]`` of each block."""
+    if values.shape[-1] % MX_BLOCK:
+        raise MoEConfigError(
+            f"q: holds K={values.shape[-1]} {fmt} elements per row (shape {tuple(values.shape)} unpacked), "
+            f"but K must be a multiple of {MX_BLOCK}, one e8m0 scale per {MX_BLOCK}"
+        )
     expected = (*values.shape[:-1], values.shape[-1] // MX_BLOCK)
-    if values.shape[-1] % MX_BLOCK or tuple(scale.shape) != expected:
+    if tuple(scale.shape) != expected:
         raise MoEConfigError(
             f"scale: must have shape {expected} for {fmt} elements of shape "
-            f"{tuple(values.shape)} (got {tuple(scale.shape)}); K must be a multiple of {MX_BLOCK}"
+            f"{tuple(values.shape)} (got {tuple(scale.shape)})"
         )
     factor = e8m0_to_float(scale)
     if bool(torch.isnan(factor).any()):

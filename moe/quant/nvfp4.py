@@ -91,8 +91,13 @@ def dequantize_nvfp4(
 ) -> torch.Tensor:
     """e2m1(unpack(q)) * float(block_scale) * global_scale; result ``[..., 2 * q.shape[-1]]``."""
     values = decode_e2m1(unpack_e2m1(q))
+    if values.shape[-1] % NVFP4_BLOCK:
+        raise MoEConfigError(
+            f"q: holds K={values.shape[-1]} nvfp4 elements per row (shape {tuple(values.shape)} unpacked), "
+            f"but K must be a multiple of {NVFP4_BLOCK}, one e4m3 scale per {NVFP4_BLOCK}"
+        )
     expected = (*values.shape[:-1], values.shape[-1] // NVFP4_BLOCK)
-    if values.shape[-1] % NVFP4_BLOCK or tuple(block_scale.shape) != expected:
+    if tuple(block_scale.shape) != expected:
         raise MoEConfigError(
             f"block_scale: must have shape {expected} for nvfp4 elements of shape "
             f"{tuple(values.shape)} (got {tuple(block_scale.shape)})"
