@@ -15,6 +15,7 @@ alpha=1, beta=0 and their own limit (a clamped SiLU), so all three parameters ar
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 import torch
@@ -85,9 +86,9 @@ class Activation:
                 f"activation must be one of {ACTIVATION_NAMES} (got {name!r})"
             ) from None
         if kind is ActivationKind.SWIGLU_OAI:
-            alpha = 1.702 if alpha is None else float(alpha)
-            beta = 1.0 if beta is None else float(beta)
-            limit = 7.0 if limit is None else float(limit)
+            alpha = 1.702 if alpha is None else _finite("alpha", alpha)
+            beta = 1.0 if beta is None else _finite("beta", beta)
+            limit = 7.0 if limit is None else _finite("limit", limit)
         return cls(kind, alpha, beta, limit)
 
     @property
@@ -123,3 +124,14 @@ class Activation:
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         return torch.mul(gate * torch.sigmoid(self.alpha * gate), up + self.beta, out=out)
+
+
+def _finite(name: str, value: object) -> float:
+    """``value`` as a finite float, or a MoEConfigError naming the swiglu_oai parameter."""
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise MoEConfigError(f"swiglu_oai {name} must be a number (got {value!r})") from None
+    if not math.isfinite(number):
+        raise MoEConfigError(f"swiglu_oai {name} must be finite (got {value!r})")
+    return number

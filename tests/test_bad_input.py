@@ -27,6 +27,7 @@ from moe import (
     TopK,
     TorchGroupedExperts,
 )
+from moe.activation import Activation
 from moe.experts.base import Experts
 from moe.experts.reference import DenseWeights
 from moe.experts.triton import TritonExperts
@@ -348,3 +349,25 @@ def test_a_class_that_converts_weights_without_declaring_prepared_type():
     unannotated = ModularKernel(LocalPrepareFinalize(kernel.problem), Unannotated(kernel.problem))
     out = unannotated.forward(hidden, topk, unannotated.experts.prepare_weights(raw))
     torch.testing.assert_close(out, kernel_forward())
+
+
+@pytest.mark.parametrize("build,fragments", [
+    (lambda: __import__("moe").ReferenceExperts("x"), ["ReferenceExperts(problem)", "must be a MoEProblem", "'x'"]),
+    (lambda: __import__("moe").LocalPrepareFinalize("x"), ["LocalPrepareFinalize(problem)", "MoEProblem", "'x'"]),
+    (lambda: __import__("moe").plan("x"), ["plan: problem must be", "'x'"]),
+    (lambda: __import__("moe").plan(_small_problem(), "h100"), ["plan: platform must be", "Platform.preset", "'h100'"]),
+    (lambda: __import__("moe").plan(_small_problem(), None, "triton"), ["plan: policy must be", "'triton'"]),
+    (lambda: Activation.parse("swiglu_oai", limit="x"), ["swiglu_oai limit must be a number", "'x'"]),
+    (lambda: Activation.parse("swiglu_oai", alpha=float("nan")), ["swiglu_oai alpha must be finite", "nan"]),
+])
+def test_constructors_refuse_the_wrong_type_naming_it(build, fragments):
+    with pytest.raises(MoEConfigError) as error:
+        build()
+    for fragment in fragments:
+        assert fragment in str(error.value), (fragment, str(error.value))
+
+
+def _small_problem():
+    from moe import MoEProblem
+
+    return MoEProblem.create(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16)

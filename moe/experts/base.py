@@ -58,6 +58,13 @@ class Capabilities:
     implemented: bool = True  # False: a declaration only, never selected
 
 
+def _require_problem(problem: object, owner: str) -> None:
+    if not isinstance(problem, MoEProblem):
+        raise MoEConfigError(f"{owner}(problem): problem must be a MoEProblem, e.g. MoEProblem.create(num_experts=8, "
+                             f"top_k=2, hidden_size=..., intermediate_size=...) (got {type(problem).__name__} "
+                             f"{problem!r})")
+
+
 def _fmt_cc(cc: tuple[int, int]) -> str:
     return f"SM{cc[0]}{cc[1]}"
 
@@ -89,6 +96,7 @@ class Experts(ABC):
             cls.apply_router_logits = _checking_apply_router_logits(cls.__dict__["apply_router_logits"])
 
     def __init__(self, problem: MoEProblem):
+        _require_problem(problem, type(self).__name__)
         reasons = self.check(problem, platform=None)  # the platform is the oracle's (or layer's) concern
         if reasons:
             raise UnsupportedError(f"{self.name} cannot serve this problem", reasons)

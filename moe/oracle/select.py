@@ -21,7 +21,7 @@ from typing import Mapping
 
 import torch
 
-from moe.errors import UnsupportedError
+from moe.errors import MoEConfigError, UnsupportedError
 from moe.formats import DispatchShape
 from moe.kernel import ModularKernel, activation_quant, composition_problems
 from moe.oracle.cost import Estimate, estimate_experts, estimate_transport
@@ -161,6 +161,7 @@ def plan(problem: MoEProblem, platform: Platform | None = None, policy: Policy |
     reason, when a forced backend cannot serve, or when nothing can (unless ``allow_empty``).
     """
     # inputs: platform, policy, candidates, profiles
+    _check_types(problem, platform, policy)
     platform = Platform.detect() if platform is None else platform
     policy = Policy.from_env() if policy is None else policy
     classes = {EXPERTS: dict(experts_classes() if experts is None else experts),
@@ -188,6 +189,16 @@ def plan(problem: MoEProblem, platform: Platform | None = None, policy: Policy |
         raise UnsupportedError(f"no (prepare/finalize, experts) pair can serve this problem on {platform.name}",
                                [f"{c.kind} {c.name}: {'; '.join(c.reasons)}" for c in candidates])
     return result
+
+
+def _check_types(problem: object, platform: object, policy: object) -> None:
+    for name, value, wanted, example in (
+        ("problem", problem, MoEProblem, "MoEProblem.create(...)"),
+        ("platform", platform, (Platform, type(None)), "Platform.detect() or Platform.preset('h100')"),
+        ("policy", policy, (Policy, type(None)), "Policy(...) or Policy.from_file(path)"),
+    ):
+        if not isinstance(value, wanted):
+            raise MoEConfigError(f"plan: {name} must be a {example} (got {type(value).__name__} {value!r})")
 
 
 def _policy_reasons(name: str, kind_table: Mapping[str, tuple], policy: Policy) -> tuple[str, ...]:

@@ -32,6 +32,9 @@ class PrepareFinalize(ABC):
     implemented: ClassVar[bool] = True
 
     def __init__(self, problem: MoEProblem):
+        if not isinstance(problem, MoEProblem):
+            raise MoEConfigError(f"{type(self).__name__}(problem): problem must be a MoEProblem "
+                                 f"(got {type(problem).__name__} {problem!r})")
         self.problem = problem
 
     @classmethod
