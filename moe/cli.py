@@ -141,15 +141,16 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> int:
     """Runs one command; returns its exit status (2 for a configuration error, reported by `_report`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    command = next((word for word in argv if not word.startswith("-")), "")
-    json_mode = command == "plan" and "--json" in argv  # plan --json: every outcome is one JSON object
     try:
         args = build_parser().parse_args(argv)
+    except UsageError as error:  # plan's --json may be abbreviated, as argparse allows
+        command = next((word for word in argv if not word.startswith("-")), "")
+        asks_json = any(len(word) > 2 and "--json".startswith(word) for word in argv)
+        return _report(error, error.prog, json_mode=command == "plan" and asks_json)
+    try:
         return int(args.func(args) or 0)
-    except UsageError as error:
-        return _report(error, error.prog, json_mode)
     except MoEError as error:
-        return _report(error, f"python -m moe {command}", json_mode)
+        return _report(error, f"python -m moe {args.command}", json_mode=args.command == "plan" and args.json)
 
 
 def _report(error: Exception, prog: str, json_mode: bool) -> int:

@@ -129,11 +129,21 @@ def test_counts_must_be_positive(capsys, flag, value):
     ([*SHAPE, "--quant", "int3"], "argument --quant: invalid choice: 'int3' (choose from 'bf16', 'fp16', 'fp32'"),
     ([*SHAPE, "--force", "nosuch"], "force names unknown backend(s) ['nosuch']"),
     ([*SHAPE, "--policy", "/no/such/policy.yaml"], "policy file '/no/such/policy.yaml' does not exist"),
+    ([*SHAPE, "--policy", "/"], "policy file '/' is not a file"),  # was: "... does not exist"
 ])
 def test_flag_errors_are_one_line(capsys, argv, says):
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("python -m moe plan: error: ") and says in err, err
+
+
+def test_a_policy_file_that_is_not_yaml_is_one_line(capsys, tmp_path):
+    """Was: a 60-line yaml.parser.ParserError traceback."""
+    policy = tmp_path / "broken.yaml"
+    policy.write_text("deny: [reference\n")
+    assert main(["plan", "--platform", "cpu", *SHAPE, "--policy", str(policy)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"policy file '{policy}' is not valid YAML at line 2: " in err, err
 
 
 def test_every_scheme_name_is_a_quant_choice(capsys):
@@ -153,9 +163,12 @@ def test_every_scheme_name_is_a_quant_choice(capsys):
     (("--preset", "mixtral-8x7b", "--platform", "tpu"), "UsageError", "argument --platform: invalid choice: 'tpu'"),
     (("--preset", "mixtral-8x7b", "--tokens", "0"), "UsageError", "argument --tokens: must be >= 1 (got 0)"),
     (("--experts", "8"), "MoEConfigError", "missing --top-k, --hidden, --intermediate"),
+    # was: --explain silently dropped
+    (("--preset", "mixtral-8x7b", "--explain"), "MoEConfigError", "--explain does not go with --json"),
 ])
-def test_json_mode_errors_are_one_json_object(capsys, argv, kind, says):
-    assert main(["plan", "--platform", "cpu", *argv, "--json"]) == 2
+@pytest.mark.parametrize("json_flag", ["--json", "--js"])  # argparse takes an unambiguous prefix
+def test_json_mode_errors_are_one_json_object(capsys, argv, kind, says, json_flag):
+    assert main(["plan", "--platform", "cpu", *argv, json_flag]) == 2
     captured = capsys.readouterr()
     error = json.loads(captured.out)["error"]  # the whole of stdout is one JSON document
     assert captured.err == "" and set(error) == {"type", "message", "reasons"}

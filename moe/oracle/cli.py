@@ -64,6 +64,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.json and args.explain:
+        raise MoEConfigError("--explain does not go with --json: the JSON holds the plan and every rejected "
+                             "candidate's reasons; drop one of them")
     result = plan(_problem(args), _platform(args), _policy(args), allow_empty=True)
     print(_render(result, args))
     return 0 if result.buckets else 1
