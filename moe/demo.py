@@ -10,11 +10,13 @@ layer's scheme and dtype (`moe.tolerance`).
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 
 import torch
 
+from moe.errors import UnsupportedError
 from moe.layer import FusedMoE
 from moe.presets import load_preset
 from moe.problem import MoEProblem
@@ -35,6 +37,7 @@ def run_demo(preset_name: str, tokens: int, quant: str, experts: str | None,
     passes, 1 when it fails. Arguments are the CLI's flags, already validated there."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     preset = _sized(load_preset(preset_name), device, full_size)
+    _check_memory(preset)
     layer = _build(preset, tokens, quant, experts, device)
     p = layer.problem
     gen = torch.Generator().manual_seed(0)
@@ -69,6 +72,23 @@ def _sized(preset, device: str, full_size: bool):
               f"I={preset.intermediate_size} to E={small.num_experts}, H={small.hidden_size}, "
               f"I={small.intermediate_size} (same k, activation, routing; --full-size to keep it)")
     return small
+
+
+def _check_memory(preset) -> None:
+    """UnsupportedError when the float32 weights the demo draws (on the host) exceed the host's memory:
+    the full DeepSeek-V3 layer takes 45 GB, which would swap or be killed rather than fail."""
+    p = preset.problem()
+    need = 4 * p.num_experts * (p.w13_rows * p.hidden_size + p.hidden_size * p.intermediate_size)
+    have = host_memory_bytes()
+    if need > have:
+        raise UnsupportedError(f"the {preset.name} layer's weights take {need / 1e9:.1f} GB in float32 as the demo "
+                               f"draws them, more than this machine's {have / 1e9:.1f} GB of memory; "
+                               "drop --full-size or choose a smaller --preset")
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this machine, in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _build(preset, tokens: int, quant: str, experts: str | None, device: str) -> FusedMoE:

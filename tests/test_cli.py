@@ -189,6 +189,14 @@ def test_demo_flag_errors_are_one_line(capsys, argv, says):
     assert says in one_error_line(capsys, ["demo", *argv], "demo")
 
 
+def test_demo_full_size_beyond_the_machines_memory_is_refused(capsys, monkeypatch):
+    """Was: drew 45 GB of float32 weights for deepseek-v3 --full-size, swapping or killed."""
+    monkeypatch.setattr("moe.demo.host_memory_bytes", lambda: 16 * 10**9)
+    err = one_error_line(capsys, ["demo", "--preset", "deepseek-v3", "--full-size", "--device", "cpu"], "demo")
+    assert err.endswith("the deepseek-v3 layer's weights take 45.1 GB in float32 as the demo draws them, more than "
+                        "this machine's 16.0 GB of memory; drop --full-size or choose a smaller --preset")
+
+
 def test_demo_device_cuda_without_cuda_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for argv in (["demo", "--device", "cuda"], ["demo", "--ep", "2", "--device", "cuda"]):
