@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from moe.errors import MoEConfigError, UnsupportedError
+
 DEFAULT_PRESETS = ("qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-120b", "deepseek-v3-ep8-slice")
 DEFAULT_TOKENS = (1, 16, 256, 1024, 4096, 16384)
 DEFAULT_EXPERTS = ("triton", "torch_grouped")
@@ -397,32 +399,56 @@ def plot(path: str, records: list[Record]) -> None:
 # --- command line ----------------------------------------------------------------------------------
 
 
-def _csv(text: str) -> list[str]:
-    return [t for t in text.split(",") if t]
-
-
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", type=_csv, default=list(DEFAULT_PRESETS),
+    from moe.cli_args import comma_separated, int_at_least, one_of
+    from moe.presets import preset_names
+    from moe.quant.scheme import SCHEME_NAMES
+
+    parser.add_argument("--preset", type=comma_separated(one_of(preset_names(), "preset"), "qwen3-30b-a3b"),
+                        default=list(DEFAULT_PRESETS),
                         help="comma-separated preset names (default: the four target presets)")
-    parser.add_argument("--quant", type=_csv, default=["bf16"], help="comma-separated schemes (default bf16)")
-    parser.add_argument("--tokens", type=lambda t: [int(x) for x in _csv(t)], default=list(DEFAULT_TOKENS),
-                        help="comma-separated token counts M")
+    parser.add_argument("--quant", type=comma_separated(one_of(SCHEME_NAMES, "scheme"), "bf16,fp8_block"),
+                        default=["bf16"], help="comma-separated schemes (default bf16)")
+    parser.add_argument("--tokens", type=comma_separated(int_at_least(1), "1,16,256"), default=list(DEFAULT_TOKENS),
+                        help="comma-separated token counts M >= 1")
     parser.add_argument("--experts", default=",".join(DEFAULT_EXPERTS),
                         help="comma-separated experts backends, or 'all'")
-    parser.add_argument("--rotations", type=int, default=4, help="input sets rotated through (default 4)")
+    parser.add_argument("--rotations", type=int_at_least(1), default=4, help="input sets rotated through (default 4)")
     parser.add_argument("--save-profile", default=None, help="write the oracle's efficiency profile here")
     parser.add_argument("--json", default=None, help="write every record here")
-    parser.add_argument("--plot", default=None, help="draw us and %%-roofline vs M here (.png)")
+    parser.add_argument("--plot", default=None, help="draw us and %%-roofline vs M here (.png; needs matplotlib)")
     parser.add_argument("--machine", default=None, help="machine kind recorded in --json (e.g. nvidia-h200)")
 
 
-def bench_command(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        print("python -m moe bench needs a CUDA GPU", file=sys.stderr)
-        return 2
+def _experts_names(text: str) -> list[str]:
+    """The backends ``--experts`` names ('all': every registered one); MoEConfigError for unknown ones."""
     from moe.registry import experts_classes
 
-    names = list(experts_classes()) if args.experts == "all" else _csv(args.experts)
+    known = list(experts_classes())
+    names = known if text.strip() == "all" else [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise MoEConfigError(f"--experts: unknown experts backend(s) {unknown or repr(text)}; "
+                             f"choose from {', '.join(known)}, or 'all'")
+    return names
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuses, before any measurement, an output the run could not write at its end."""
+    import importlib.util
+
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise MoEConfigError(f"--plot {args.plot}: needs matplotlib, which is not installed (pip install matplotlib)")
+    for flag, path in (("--json", args.json), ("--save-profile", args.save_profile), ("--plot", args.plot)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise MoEConfigError(f"{flag} {path}: the folder {Path(path).resolve().parent} does not exist")
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    names = _experts_names(args.experts)
+    _check_outputs(args)
+    if not torch.cuda.is_available():
+        raise UnsupportedError("needs a CUDA GPU, and torch finds none on this machine")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     ceilings, records = run_bench(args.preset, args.quant, args.tokens, names, args.rotations, log)
     print(format_table(records))
@@ -439,9 +465,10 @@ def bench_command(args: argparse.Namespace) -> int:
 
 
 def main_bench(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe bench", description=__doc__.split("\n")[0])
-    add_bench_arguments(parser)
-    return bench_command(parser.parse_args(argv))
+    """``python -m moe.bench ARGS``: the same as ``python -m moe bench ARGS``, errors reported alike."""
+    from moe.cli import main
+
+    return main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

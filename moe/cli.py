@@ -1,33 +1,65 @@
-"""``python -m moe {demo, plan, backends, bench, tune}``: the command line."""
+"""``python -m moe {demo, plan, backends, bench, tune}``: the command line.
+
+A configuration error (a `moe.errors.MoEError`, or a flag argparse refuses) is printed as one line,
+``python -m moe <command>: error: <message>``, with the reasons below it when there are several, and
+the exit status is 2; with ``plan --json`` it is one JSON object on stdout instead. Any other
+exception is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
+import torch
+
+from moe.cli_args import int_at_least
 from moe.demo import run_demo
+from moe.errors import MoEConfigError, MoEError, UnsupportedError
 from moe.oracle.cli import add_plan_parser
+from moe.presets import preset_names
+from moe.quant.scheme import SCHEME_NAMES
 
 
 def _demo_parser(sub) -> None:
-    p = sub.add_parser("demo", help="build a real model's MoE layer, run it and check it against reference")
-    p.add_argument("--preset", default="qwen3-30b-a3b", help="model preset (see moe/presets)")
-    p.add_argument("--tokens", type=int, default=37, help="M, tokens in the batch (default 37)")
-    p.add_argument("--quant", default=None, help="quantization scheme (default: bf16)")
-    p.add_argument("--experts", default=None, help="force an experts backend by name")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p = sub.add_parser("demo", help="build a real model's MoE layer, run it and check it against a float32 loop")
+    p.add_argument("--preset", default="qwen3-30b-a3b", choices=preset_names(), metavar="NAME",
+                   help=f"model preset, one of {', '.join(preset_names())} (default qwen3-30b-a3b)")
+    p.add_argument("--tokens", type=int_at_least(0), default=37,
+                   help="M, tokens in the batch (default 37; 0 runs an empty batch, which has nothing to check)")
+    p.add_argument("--quant", default="bf16", choices=SCHEME_NAMES, metavar="SCHEME",
+                   help=f"quantization scheme, one of {', '.join(SCHEME_NAMES)} (default bf16)")
+    p.add_argument("--experts", default=None, metavar="NAME",
+                   help="force an experts backend by name (python -m moe backends lists them)")
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda if available")
     p.add_argument("--full-size", action="store_true", help="do not scale the layer down on CPU")
-    p.add_argument("--ep", type=int, default=1, metavar="N",
-                   help="expert parallelism: N CPU processes (gloo), sharded vs unsharded")
+    p.add_argument("--ep", type=int_at_least(1), default=1, metavar="N",
+                   help="expert parallelism: N >= 2 CPU processes (gloo), sharded vs unsharded (default 1: none)")
     p.set_defaults(func=_demo)
 
 
 def _demo(a) -> int:
-    if a.ep > 1:
-        from moe.parallel_demo import run_ep_demo
+    """Checks every flag against the others and this machine, then runs the demo they ask for."""
+    if a.experts is not None:
+        from moe.registry import experts_classes
 
-        return run_ep_demo(a.ep, a.preset, a.tokens, a.quant)
-    return run_demo(a.preset, a.tokens, a.quant, a.experts, a.device, a.full_size)
+        if a.experts not in experts_classes():
+            raise MoEConfigError(f"--experts: unknown experts backend {a.experts!r}; "
+                                 f"choose from {', '.join(experts_classes())}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedError("--device cuda: no CUDA device on this machine")
+    if a.ep == 1:
+        return run_demo(a.preset, a.tokens, a.quant, a.experts, a.device, a.full_size)
+    # the expert-parallel demo: N CPU processes, the layer always scaled down
+    refused = {"--device cuda": a.device == "cuda", "--full-size": a.full_size, "--tokens 0": a.tokens == 0}
+    for flag, given in refused.items():
+        if given:
+            raise MoEConfigError(f"{flag} does not go with --ep {a.ep}: the expert-parallel demo runs "
+                                 f"{a.ep} CPU processes (gloo) on a scaled-down layer, M >= 1 tokens each")
+    from moe.parallel_demo import run_ep_demo
+
+    return run_ep_demo(a.ep, a.preset, a.tokens, a.quant, experts=a.experts)
 
 
 def _backends_parser(sub) -> None:
@@ -126,8 +158,8 @@ def _sm_range(low, high) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m moe", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="python -m moe", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)  # subparsers are _Parser too
     _demo_parser(sub)
     add_plan_parser(sub)
     _backends_parser(sub)
@@ -148,9 +180,52 @@ def _add(sub, name: str, help: str, module: str, add_arguments: str, command: st
     p.set_defaults(func=getattr(mod, command))
 
 
+class UsageError(Exception):
+    """A flag argparse refused; ``prog`` is the (sub)command whose parser refused it."""
+
+    def __init__(self, prog: str, message: str):
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """Raises `UsageError` instead of printing the usage and exiting, so `main` reports it like any
+    other configuration error: one line, or JSON for ``plan --json``."""
+
+    def error(self, message: str):
+        raise UsageError(self.prog, message)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    """Runs one command; returns its exit status (2 for a configuration error, reported by `_report`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as error:  # plan's --json may be abbreviated, as argparse allows
+        command = next((word for word in argv if not word.startswith("-")), "")
+        asks_json = any(len(word) > 2 and "--json".startswith(word) for word in argv)
+        return _report(error, error.prog, json_mode=command == "plan" and asks_json)
+    try:
+        return int(args.func(args) or 0)
+    except MoEError as error:
+        return _report(error, f"python -m moe {args.command}", json_mode=args.command == "plan" and args.json)
+
+
+def _report(error: Exception, prog: str, json_mode: bool) -> int:
+    """Prints ``error`` as ``<prog>: error: <message>`` (reasons below it) on stderr, or as
+    ``{"error": {"type", "message", "reasons"}}`` on stdout in JSON mode; returns 2."""
+    reasons = list(getattr(error, "reasons", ()))
+    message = str(error)
+    listed = "".join(f"\n  - {r}" for r in reasons)  # UnsupportedError appends its reasons so
+    if listed and message.endswith(listed):
+        message = message[: -len(listed)]
+    if json_mode:
+        print(json.dumps({"error": {"type": type(error).__name__, "message": message, "reasons": reasons}}))
+        return 2
+    if len(reasons) == 1:
+        message, reasons = f"{message}: {reasons[0]}", []
+    print("\n".join([f"{prog}: error: {message}", *(f"  - {r}" for r in reasons)]), file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -24,12 +24,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe.errors import MoEConfigError
+from moe.errors import MoEConfigError, UnsupportedError
 from moe.kernel import ModularKernel
 from moe.parallel import local_expert_ids, shard_weights
 from moe.prepare_finalize import all_to_all  # noqa: F401 -- registers all_to_all, all_to_all_batched
 from moe.problem import MoEProblem, ParallelConfig
+from moe.quant import QuantFormat
 from moe.router import Router, TopK
+from moe.tolerance import relative_error, tolerance_for
 from moe.weights import ExpertWeights
 
 
@@ -180,51 +182,118 @@ DEMO_PAIRS = (("all_to_all", "reference"), ("all_to_all", "torch_grouped"), ("al
 
 
 def run_ep_demo(num_ranks: int, preset: str = "qwen3-30b-a3b", tokens: int = 37, quant: str | None = None,
-                *, timeout_s: float = 300.0) -> int:
+                *, experts: str | None = None, timeout_s: float = 300.0) -> int:
     """Spawns ``num_ranks`` CPU processes (gloo); prints, per prepare/finalize x experts, the largest
-    difference between the sharded and the unsharded layer. Returns 0 when every pair is within its
-    bound (exact for ``reference`` behind ``all_to_all``), 1 otherwise."""
+    difference between the sharded and the unsharded layer, and the sharded layer's relative error
+    against `moe.demo.dequantize_then_compute` (a float32 loop no backend shares). Returns 0 when every
+    pair is within its bounds (sharded = unsharded exactly for ``reference`` behind ``all_to_all``), 1
+    otherwise.
+
+    ``experts`` runs that backend behind each all-to-all whose format it takes, instead of
+    `DEMO_PAIRS`; UnsupportedError when it cannot serve the layer on this CPU. Of `DEMO_PAIRS`, a pair
+    that cannot serve ``quant`` is reported as skipped, with its reasons.
+    """
     from moe.demo import CPU_LIMITS
     from moe.presets import load_preset
-    from moe.testing import TOLERANCES, regime_for
 
     layer = load_preset(preset).scaled(**CPU_LIMITS)
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 2 or layer.num_experts % num_ranks:
-        raise MoEConfigError(f"--ep must be an int >= 2 dividing the (scaled) E={layer.num_experts} (got {num_ranks!r})")
+        divisors = [n for n in range(2, layer.num_experts + 1) if layer.num_experts % n == 0]
+        raise MoEConfigError(f"--ep must be an int >= 2 dividing the (scaled) E={layer.num_experts} "
+                             f"(got {num_ranks!r}); choose from {', '.join(map(str, divisors))}")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise MoEConfigError(f"--tokens must be an int >= 1 for the --ep demo (got {tokens!r})")
     problem = layer.problem(quant=quant or "bf16", max_tokens=max(tokens * num_ranks, 1))
-    rows = launch_ranks(_demo_rank, num_ranks, (preset, tokens, quant), timeout_s=timeout_s)
-    regime = regime_for(problem)
+    pairs, skipped = demo_pairs(dataclasses.replace(problem, parallel=ParallelConfig(num_ranks, 0)), experts)
+    rows = launch_ranks(_demo_rank, num_ranks, (preset, tokens, quant, pairs), timeout_s=timeout_s)
     print(f"ep demo     {layer.name}: E={problem.num_experts} k={problem.top_k} H={problem.hidden_size} "
           f"I={problem.intermediate_size} {problem.activation.name} routing={layer.routing} quant={problem.quant_name}")
     print(f"ranks       {num_ranks} CPU processes (gloo), {problem.num_experts // num_ranks} experts and "
           f"M={tokens} tokens each; unsharded = one process, all {tokens * num_ranks} tokens")
     status = 0
-    for index, (pf, experts) in enumerate(DEMO_PAIRS):
-        max_abs = max(r[index][0] for r in rows)
-        rel = max(r[index][1] for r in rows)
-        exact = pf == "all_to_all" and experts == "reference"
-        ok = max_abs == 0 if exact else rel <= TOLERANCES[regime]
-        bound = "must be exact" if exact else f"relative {rel:.1e} <= {TOLERANCES[regime]:.0e} ({regime})"
-        print(f"{pf:<19} + {experts:<14} max |sharded - unsharded| = {max_abs:.3e}  {bound} -> "
-              f"{'OK' if ok else 'FAIL'}")
+    for index, pair in enumerate(pairs):
+        line, ok = _verdict(pair, [r[index] for r in rows], problem)
+        print(line)
         status |= not ok
+    for (pf, name), reasons in skipped.items():
+        print(f"{pf:<19} + {name:<14} skipped: cannot serve quant={problem.quant_name} ({'; '.join(reasons)})")
     return status
 
 
-def _demo_rank(rank: int, world: int, preset: str, tokens: int, quant: str | None) -> list[tuple[float, float]]:
-    from moe.demo import CPU_LIMITS
+def demo_pairs(problem: MoEProblem, experts: str | None) -> tuple[list[tuple[str, str]], dict]:
+    """``(pairs to run, {pair: reasons} skipped)`` for the sharded ``problem`` on this CPU.
+
+    With ``experts``, it runs behind each all-to-all whose activation format it takes; UnsupportedError
+    (with every reason) when it cannot serve the problem here. Without, `DEMO_PAIRS`, less those whose
+    experts cannot serve the problem.
+    """
+    from moe.formats import ActivationFormat, OutputKind
+    from moe.platform import Platform
+    from moe.registry import get_experts
+
+    platform = Platform.detect("cpu")
+    if experts is not None:
+        cls = get_experts(experts)
+        reasons = cls.check(problem, platform)
+        if reasons:
+            raise UnsupportedError(f"--experts {experts} cannot serve the --ep demo's sharded layer on this CPU",
+                                   reasons)
+        formats = cls.capabilities.formats
+        batched = ActivationFormat.BATCHED in formats and cls.capabilities.output is not OutputKind.REDUCED
+        pairs = [("all_to_all", experts)] if ActivationFormat.STANDARD in formats else []
+        return pairs + ([("all_to_all_batched", experts)] if batched else []), {}
+    checked = {pair: get_experts(pair[1]).check(problem, platform) for pair in DEMO_PAIRS}
+    return [pair for pair, reasons in checked.items() if not reasons], {
+        pair: reasons for pair, reasons in checked.items() if reasons}
+
+
+# Activation formats with one scale over the whole tensor (moe/quant/tensor.py's table): a rank
+# quantizes the rows it holds, so sharded and unsharded layers round differently, and a float32
+# loop over one rank's tokens cannot round as the ranks do.
+_SCALED_PER_TENSOR = frozenset({QuantFormat.FP8_TENSOR, QuantFormat.NVFP4})
+
+
+def _verdict(pair: tuple[str, str], per_rank: list[tuple[float, float, float]],
+             problem: MoEProblem) -> tuple[str, bool]:
+    """One pair's report line and whether it passed, from each rank's (max |sharded - unsharded|,
+    relative sharded vs unsharded, relative sharded vs the float32 loop)."""
+    pf, experts = pair
+    tolerance = tolerance_for(problem)
+    bound, regime = tolerance.bound, tolerance.regime
+    max_abs, rel, loop = (max(r[i] for r in per_rank) for i in range(3))
+    per_tensor = problem.quant.activation in _SCALED_PER_TENSOR
+    exact = pf == "all_to_all" and experts == "reference" and not per_tensor
+    sharding_ok = max_abs == 0 if exact else rel <= bound
+    sharding = "must be exact" if exact else f"relative {rel:.1e} <= {bound:.0e} ({regime})"
+    lines = [f"{pf:<19} + {experts:<14} sharded vs unsharded: max |difference| {max_abs:.3e} ({sharding}) -> "
+             f"{'OK' if sharding_ok else 'FAIL'}"]
+    if per_tensor:
+        lines.append(f"{'':<37}vs float32 loop: no independent check ({problem.quant.activation.value} "
+                     "activations are scaled per tensor, and each rank rounds the rows it holds)")
+        return "\n".join(lines), sharding_ok
+    loop_ok = loop <= bound
+    lines.append(f"{'':<37}vs float32 loop: relative {loop:.1e} <= {bound:.0e} ({regime}) -> "
+                 f"{'OK' if loop_ok else 'FAIL'}")
+    return "\n".join(lines), sharding_ok and loop_ok
+
+
+def _demo_rank(rank: int, world: int, preset: str, tokens: int, quant: str | None,
+               pairs: list[tuple[str, str]]) -> list[tuple[float, float, float]]:
+    from moe.demo import CPU_LIMITS, dequantize_then_compute
     from moe.presets import load_preset
-    from moe.testing import relative_error
 
     layer = load_preset(preset).scaled(**CPU_LIMITS)
     problem = layer.problem(quant=quant or "bf16", max_tokens=max(tokens * world, 1))
     correction = 0.01 * torch.randn(layer.num_experts, generator=torch.Generator().manual_seed(7)) \
         if layer.has_correction_bias else None
     router = layer.router(correction)
+    # the weights and this rank's tokens exactly as compare_on_rank draws them (seed 0; seed 1 + rank)
+    hidden, topk = random_tokens(problem, tokens, 1 + rank, router)
+    expected = dequantize_then_compute(problem, random_layer(problem, 0), hidden, topk)
     rows = []
-    for pf, experts in DEMO_PAIRS:
+    for pf, experts in pairs:
         out, truth = compare_on_rank(rank, world, problem, pf, experts, [tokens] * world, router=router,
                                      truth_experts=experts)
-        rows.append(((out.float() - truth.float()).abs().max().item() if out.numel() else 0.0,
-                     relative_error(out, truth)))
+        rows.append(((out.float() - truth.float()).abs().max().item(), relative_error(out, truth),
+                     relative_error(out, expected)))
     return rows

@@ -277,31 +277,49 @@ def tune_preset(preset_name: str, quant: str, tokens, out_dir: Path, workers: in
 
 
 def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", required=True, help="comma-separated preset names")
-    parser.add_argument("--quant", default="bf16", help="comma-separated schemes (default bf16)")
-    parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)),
-                        help="comma-separated token counts M to tune (the buckets)")
+    from moe.cli_args import comma_separated, int_at_least, one_of
+    from moe.presets import preset_names
+    from moe.quant.scheme import SCHEME_NAMES
+
+    parser.add_argument("--preset", required=True, help="comma-separated preset names",
+                        type=comma_separated(one_of(preset_names(), "preset"), "mixtral-8x7b"))
+    parser.add_argument("--quant", type=comma_separated(one_of(SCHEME_NAMES, "scheme"), "bf16,fp8_block"),
+                        default=["bf16"], help="comma-separated schemes (default bf16)")
+    parser.add_argument("--tokens", type=comma_separated(int_at_least(1), "256,1024"), default=list(DEFAULT_TOKENS),
+                        help="comma-separated token counts M >= 1 to tune (the buckets)")
     parser.add_argument("--out", default=str(CONFIG_DIR), help="directory for the config files")
-    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1),
+    parser.add_argument("--workers", type=int_at_least(1), default=min(16, os.cpu_count() or 1),
                         help="processes compiling kernels in parallel")
 
 
 def tune_command(args: argparse.Namespace) -> int:
+    from moe.errors import MoEConfigError, UnsupportedError
+    from moe.presets import load_preset
+    from moe.registry import get_experts
+
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise MoEConfigError(f"--out {args.out}: exists and is not a folder")
+    for preset in args.preset:  # what the Triton experts cannot serve is refused before any compiling
+        for quant in args.quant:
+            problem = load_preset(preset).problem(quant=quant, max_tokens=max(args.tokens))
+            reasons = get_experts("triton").check(problem, None)
+            if reasons:
+                raise UnsupportedError(f"--preset {preset} --quant {quant}: the Triton experts cannot serve it",
+                                       reasons)
     if not torch.cuda.is_available():
-        print("python -m moe tune needs a CUDA GPU", file=sys.stderr)
-        return 2
-    tokens = [int(t) for t in args.tokens.split(",") if t]
-    for preset in (p for p in args.preset.split(",") if p):
-        for quant in (q for q in args.quant.split(",") if q):
-            path = tune_preset(preset, quant, tokens, Path(args.out), args.workers)
+        raise UnsupportedError("needs a CUDA GPU, and torch finds none on this machine")
+    for preset in args.preset:
+        for quant in args.quant:
+            path = tune_preset(preset, quant, args.tokens, Path(args.out), args.workers)
             print(f"wrote {path}")
     return 0
 
 
 def main_tune(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe tune", description=__doc__.split("\n")[0])
-    add_tune_arguments(parser)
-    return tune_command(parser.parse_args(argv))
+    """``python -m moe.tune ARGS``: the same as ``python -m moe tune ARGS``, errors reported alike."""
+    from moe.cli import main
+
+    return main(["tune", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def test_command_line_arguments():
     assert args.preset == ["qwen3-30b-a3b"] and args.tokens == [1, 16] and args.quant == ["bf16"]
     parser = argparse.ArgumentParser()
     tune.add_tune_arguments(parser)
-    assert parser.parse_args(["--preset", "mixtral-8x7b"]).quant == "bf16"
+    assert parser.parse_args(["--preset", "mixtral-8x7b"]).quant == ["bf16"]
 
 
 def test_bench_without_gpu_says_so(capsys):

@@ -4,7 +4,8 @@
     python -m moe plan --platform h100 --experts 128 --top-k 4 --hidden 2880 --intermediate 2880 \\
         --quant mxfp4 --activation swiglu_oai --tokens 1 64 4096 --json
 
-Exit status 0 when some pair can serve, 1 when none can (the output then says why for each candidate).
+Exit status 0 when some pair can serve, 1 when none can (the output then says why for each candidate),
+2 when the flags are wrong (one line naming the flag; with --json, one JSON object ``{"error": ...}``).
 """
 
 from __future__ import annotations
@@ -13,36 +14,47 @@ import argparse
 import dataclasses
 import json
 
+from moe.activation import ACTIVATION_NAMES
+from moe.cli_args import int_at_least
+from moe.errors import MoEConfigError
 from moe.oracle.policy import Policy
 from moe.oracle.select import Plan, plan
 from moe.platform import PRESET_NAMES, Platform
+from moe.presets import preset_names
 from moe.problem import MoEProblem, ParallelConfig
 from moe.quant import QuantScheme
+from moe.quant.scheme import SCHEME_NAMES
 
-QUANT_NAMES = ("bf16", "fp16", "fp8", "fp8_token", "fp8_block", "mxfp8", "mxfp4", "nvfp4")
+QUANT_NAMES = SCHEME_NAMES  # the one list of scheme names (moe/quant/scheme.py), as the demo's
 DEFAULT_MAX_TOKENS = 8192
+_SHAPE_FLAGS = ("--experts", "--top-k", "--hidden", "--intermediate")
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     """Adds the ``plan`` subcommand to ``subparsers`` (of ``python -m moe``)."""
     p = subparsers.add_parser("plan", help="which backends the oracle picks per token bucket, and why",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--platform", default="detect", help=f"'detect' (this machine) or one of {', '.join(PRESET_NAMES)}")
+    p.add_argument("--platform", default="detect", choices=("detect", *PRESET_NAMES), metavar="NAME",
+                   help=f"'detect' (this machine) or one of {', '.join(PRESET_NAMES)}")
     p.add_argument("--no-flashinfer", action="store_true", help="simulate the platform without flashinfer")
     p.add_argument("--no-triton", action="store_true", help="simulate the platform without triton")
     shape = p.add_argument_group("layer shape: --preset, or all of --experts --top-k --hidden --intermediate")
-    shape.add_argument("--preset", help="model preset (moe/presets), e.g. deepseek-v3")
-    shape.add_argument("--experts", type=int, help="E, the number of experts (a count, not a backend)")
-    shape.add_argument("--top-k", type=int, help="k, experts per token")
-    shape.add_argument("--hidden", type=int, help="H, hidden size")
-    shape.add_argument("--intermediate", type=int, help="I, intermediate size of one expert")
-    shape.add_argument("--bias", action="store_true", help="experts have biases (a preset says for itself)")
-    p.add_argument("--quant", choices=QUANT_NAMES, help="scheme (default: the preset's checkpoint scheme, or bf16)")
+    shape.add_argument("--preset", choices=preset_names(), metavar="NAME",
+                       help=f"model preset, one of {', '.join(preset_names())}")
+    count = int_at_least(1)
+    shape.add_argument("--experts", type=count, help="E, the number of experts (a count, not a backend)")
+    shape.add_argument("--top-k", type=count, help="k, experts per token")
+    shape.add_argument("--hidden", type=count, help="H, hidden size")
+    shape.add_argument("--intermediate", type=count, help="I, intermediate size of one expert")
+    shape.add_argument("--bias", action="store_true", help="experts have biases (not with --preset: it says)")
+    p.add_argument("--quant", choices=QUANT_NAMES, metavar="SCHEME",
+                   help=f"one of {', '.join(QUANT_NAMES)} (default: the preset's checkpoint scheme, or bf16)")
     p.add_argument("--act-quant", choices=("mxfp8",), help="activation format for --quant mxfp4 (default bf16: W4A16)")
-    p.add_argument("--activation", help="silu, gelu, swiglu_oai, relu2 (default: the preset's, or silu)")
-    p.add_argument("--ep", type=int, default=1, help="plan for rank 0 of N expert-parallel ranks")
-    p.add_argument("--tokens", type=int, nargs="+", metavar="M", help="bucket edges (default 1 4 16 ... max tokens)")
-    p.add_argument("--max-tokens", type=int, help=f"largest M (default: the largest --tokens, or {DEFAULT_MAX_TOKENS})")
+    p.add_argument("--activation", choices=ACTIVATION_NAMES, help="default: the preset's, or silu")
+    p.add_argument("--ep", type=count, default=1, help="plan for rank 0 of N expert-parallel ranks")
+    p.add_argument("--tokens", type=count, nargs="+", metavar="M", help="bucket edges (default 1 4 16 ... max tokens)")
+    p.add_argument("--max-tokens", type=count,
+                   help=f"largest M, >= every --tokens (default: the largest --tokens, or {DEFAULT_MAX_TOKENS})")
     p.add_argument("--policy", help="a policy YAML file (default: MOE_POLICY / MOE_EXPERTS / MOE_PROFILE)")
     p.add_argument("--force", help="force an experts or prepare/finalize backend by name")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
@@ -52,6 +64,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.json and args.explain:
+        raise MoEConfigError("--explain does not go with --json: the JSON holds the plan and every rejected "
+                             "candidate's reasons; drop one of them")
     result = plan(_problem(args), _platform(args), _policy(args), allow_empty=True)
     print(_render(result, args))
     return 0 if result.buckets else 1
@@ -85,31 +100,43 @@ def _policy(args: argparse.Namespace) -> Policy:
 def _problem(args: argparse.Namespace) -> MoEProblem:
     sizes = _sizes(args)
     quant_name = args.quant or sizes.pop("quant")
+    if args.act_quant and quant_name != "mxfp4":
+        raise MoEConfigError(f"--act-quant {args.act_quant} needs --quant mxfp4 (the scheme is {quant_name})")
     quant = QuantScheme.from_name(quant_name, act_quant=args.act_quant) if args.act_quant else quant_name
-    max_tokens = args.max_tokens or (max(args.tokens) if args.tokens else DEFAULT_MAX_TOKENS)
+    largest = max(args.tokens) if args.tokens else None
+    if args.max_tokens is not None and largest is not None and args.max_tokens < largest:
+        raise MoEConfigError(f"--max-tokens {args.max_tokens} is smaller than the largest --tokens {largest}; "
+                             "raise it or drop that bucket edge")
+    if sizes["num_experts"] % args.ep:
+        raise MoEConfigError(f"--ep {args.ep} must divide the number of experts E={sizes['num_experts']} "
+                             "(plan shards the experts evenly)")
     return MoEProblem.create(
         num_experts=sizes["num_experts"], top_k=sizes["top_k"], hidden_size=sizes["hidden_size"],
         intermediate_size=sizes["intermediate_size"], has_bias=sizes["has_bias"],
-        activation=args.activation or sizes["activation"], quant=quant, max_tokens=max_tokens,
-        parallel=ParallelConfig(ep_size=args.ep),
+        activation=args.activation or sizes["activation"], quant=quant,
+        max_tokens=args.max_tokens or largest or DEFAULT_MAX_TOKENS, parallel=ParallelConfig(ep_size=args.ep),
     )
 
 
 def _sizes(args: argparse.Namespace) -> dict:
+    """The layer's sizes from --preset, or from all four shape flags (never a mix of the two)."""
     explicit = {"num_experts": args.experts, "top_k": args.top_k, "hidden_size": args.hidden,
                 "intermediate_size": args.intermediate}
+    given = [flag for flag, value in zip(_SHAPE_FLAGS, explicit.values()) if value is not None]
     if args.preset:
-        given = [f"--{k}" for k, v in zip(("experts", "top-k", "hidden", "intermediate"), explicit.values()) if v]
-        if given:
-            raise SystemExit(f"python -m moe plan: --preset and {', '.join(given)} exclude each other")
+        if given or args.bias:
+            raise MoEConfigError(f"--preset and {', '.join(given + ['--bias'] * args.bias)} exclude each other "
+                                 f"(the preset gives the layer's shape and biases)")
         from moe.presets import load_preset
 
         preset = load_preset(args.preset)
         return {"num_experts": preset.num_experts, "top_k": preset.top_k, "hidden_size": preset.hidden_size,
                 "intermediate_size": preset.intermediate_size, "has_bias": preset.has_bias,
                 "activation": preset.activation, "quant": preset.quant}
-    missing = [f"--{k}" for k, v in zip(("experts", "top-k", "hidden", "intermediate"), explicit.values()) if not v]
+    missing = [flag for flag in _SHAPE_FLAGS if flag not in given]
     if missing:
-        raise SystemExit(f"python -m moe plan: give --preset, or all of --experts --top-k --hidden --intermediate "
-                         f"(missing {', '.join(missing)})")
+        raise MoEConfigError(f"give --preset, or all of {' '.join(_SHAPE_FLAGS)} (missing {', '.join(missing)})")
+    if args.top_k > args.experts:
+        raise MoEConfigError(f"--top-k {args.top_k} is more than --experts {args.experts}: a token picks k "
+                             "distinct experts")
     return {**explicit, "has_bias": args.bias, "activation": "silu", "quant": "bf16"}

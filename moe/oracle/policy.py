@@ -71,9 +71,16 @@ class Policy:
         """Reads and validates a policy file; unknown keys and bad values name the key and what is allowed."""
         path = Path(path)
         if not path.is_file():
-            raise MoEConfigError(f"policy file {str(path)!r} does not exist")
-        with open(path, encoding="utf-8") as file:
-            data = yaml.safe_load(file)
+            what = "is not a file" if path.exists() else "does not exist"
+            raise MoEConfigError(f"policy file {str(path)!r} {what}")
+        try:
+            with open(path, encoding="utf-8") as file:
+                data = yaml.safe_load(file)
+        except yaml.YAMLError as error:
+            where = getattr(error, "problem_mark", None)
+            at = f" at line {where.line + 1}" if where is not None else ""
+            raise MoEConfigError(f"policy file {str(path)!r} is not valid YAML{at}: "
+                                 f"{getattr(error, 'problem', None) or error}") from None
         return cls.from_mapping({} if data is None else data, source=str(path), base=path.parent)
 
     @classmethod

@@ -3,7 +3,8 @@
 - ``check_experts(MyExperts)`` / ``check_prepare_finalize(MyPrepareFinalize)``: run a class through every
   problem its declaration covers and every contract it must keep; return a ``ConformanceReport``.
 - ``moe.testing.pytest_plugin.experts_conformance(MyExperts)``: the same as parametrized pytest cases.
-- ``assert_close_moe`` / ``regime_for`` / ``tolerance_for`` / ``TOLERANCES``: the tolerance regimes (``tolerance.py``).
+- ``assert_close_moe`` / ``regime_for`` / ``tolerance_for`` / ``TOLERANCES``: the tolerance regimes (the
+  table: ``moe/tolerance.py``).
 - ``random_weights`` / ``random_inputs``: seeded inputs for a problem.
 - ``python -m moe.testing.docs``: regenerates the support table of docs/writing-a-backend.md.
 """
