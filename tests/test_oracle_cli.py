@@ -175,7 +175,7 @@ def test_json_mode_errors_are_one_json_object(capsys, argv, kind, says, json_fla
     assert captured.err == "" and set(error) == {"type", "message", "reasons"}
     assert error["type"] == kind and says in error["message"]
     if kind == "UnsupportedError":
-        assert "needs library 'triton', which is not installed" in error["reasons"]
+        assert "needs library 'triton', which is not installed: pip install 'moe[triton]'" in error["reasons"]
         assert "\n" not in error["message"]  # the reasons are in their list, not repeated in the message
 
 
