@@ -454,7 +454,7 @@ def bench_command(args: argparse.Namespace) -> int:
     print(format_table(records))
     targets = format_targets(records, ceilings)
     if targets:
-        print("\n## Against the targets: vLLM's kernel and the baseline (ours: the best backend that is not a baseline)" + targets)
+        print("\n## Against vLLM's kernel and the baseline (ours: the best backend that is not a baseline)" + targets)
     if args.json:
         write_json(args.json, ceilings, records, args.machine or ceilings.device)
     if args.save_profile:
