@@ -1,9 +1,10 @@
 """Workspace: what an Experts (or PrepareFinalize) needs as scratch, reserved once and reused.
 
 An Experts declares its buffers with ``workspace_shapes`` -- an upper bound that does not depend on
-routing data -- and receives them as views into one reserved byte buffer. After warm-up the manager
-can be locked: a later request that does not fit raises ``WorkspaceError`` naming the caller and the
-bytes, instead of silently allocating on the hot path.
+routing data -- and receives them as views into one reserved byte buffer. A kernel groups the buffers
+of its two halves by owner (a `WorkspaceLayout` of sections) and takes one `Workspace` per section.
+After warm-up the manager can be locked: a later request that does not fit raises ``WorkspaceError``
+naming the caller and the bytes, instead of silently allocating on the hot path.
 """
 
 from __future__ import annotations
@@ -67,6 +68,25 @@ class WorkspaceShapes:
         return WorkspaceShapes(self.buffers + tuple((prefix + n, s) for n, s in other.buffers))
 
 
+@dataclass(frozen=True)
+class WorkspaceLayout:
+    """Buffers grouped by owner: ``WorkspaceLayout.of(prepare_finalize=shapes, experts=shapes)``.
+
+    Each section's buffer names are its own (two sections may both hold an ``out``); ``nbytes`` is
+    the sum of the sections', i.e. exactly what ``WorkspaceManager.take_sections`` uses.
+    """
+
+    sections: tuple[tuple[str, WorkspaceShapes], ...] = ()
+
+    @classmethod
+    def of(cls, **sections: WorkspaceShapes) -> "WorkspaceLayout":
+        return cls(tuple(sections.items()))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(shapes.nbytes for _, shapes in self.sections)
+
+
 class Workspace(Mapping[str, torch.Tensor]):
     """Read-only mapping name -> tensor view, as handed out by ``WorkspaceManager.take``."""
 
@@ -100,6 +120,9 @@ class WorkspaceManager:
         self.device = torch.device(device)
         self._buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
         self.locked = False
+        # counts the buffers reserve has replaced: views taken under an older generation point into a
+        # buffer this manager no longer uses (a holder of views compares it before using them)
+        self.generation = 0
 
     @property
     def reserved_bytes(self) -> int:
@@ -114,13 +137,19 @@ class WorkspaceManager:
                 "is not allowed after lock() (reserve the worst case before locking)"
             )
         self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.generation += 1
 
     def lock(self) -> None:
         self.locked = True
 
     def take(self, shapes: WorkspaceShapes, caller: str = "?") -> Workspace:
         """Views for every buffer in ``shapes``; raises WorkspaceError if locked and too small."""
-        needed = shapes.nbytes
+        return self.take_sections(WorkspaceLayout.of(views=shapes), caller)["views"]
+
+    def take_sections(self, layout: WorkspaceLayout, caller: str = "?") -> dict[str, Workspace]:
+        """One `Workspace` per section of ``layout``, side by side in the buffer; raises WorkspaceError
+        if locked and too small."""
+        needed = layout.nbytes
         if needed > self.reserved_bytes:
             if self.locked:
                 raise WorkspaceError(
@@ -128,9 +157,12 @@ class WorkspaceManager:
                     f"{self.reserved_bytes} bytes; reserve for a larger max_tokens before lock()"
                 )
             self.reserve(needed)
-        views, offset = {}, 0
-        for name, spec in shapes:
-            raw = self._buffer[offset : offset + spec.nbytes]
-            views[name] = raw.view(spec.dtype).view(spec.shape)
-            offset += _align(spec.nbytes)
-        return Workspace(views)
+        sections, offset = {}, 0
+        for section, shapes in layout.sections:
+            views = {}
+            for name, spec in shapes:
+                raw = self._buffer[offset : offset + spec.nbytes]
+                views[name] = raw.view(spec.dtype).view(spec.shape)
+                offset += _align(spec.nbytes)
+            sections[section] = Workspace(views)
+        return sections

@@ -47,3 +47,27 @@ def test_negative_dimension_rejected():
 def test_zero_sized_buffers():
     views = WorkspaceManager().take(WorkspaceShapes.of(x=((0, 4), torch.bfloat16)))
     assert views["x"].shape == (0, 4)
+
+
+def test_sections_keep_their_own_names_side_by_side():
+    from moe.workspace import WorkspaceLayout
+
+    first, second = WorkspaceShapes.of(out=((3,), torch.float32)), WorkspaceShapes.of(out=((5,), torch.int32), x=((2,), torch.uint8))
+    layout = WorkspaceLayout.of(prepare_finalize=first, experts=second)
+    assert layout.nbytes == first.nbytes + second.nbytes == 3 * ALIGNMENT
+    views = WorkspaceManager().take_sections(layout, caller="t")
+    assert list(views) == ["prepare_finalize", "experts"] and list(views["experts"]) == ["out", "x"]
+    assert views["prepare_finalize"]["out"].dtype == torch.float32 and views["experts"]["out"].shape == (5,)
+    base = views["prepare_finalize"]["out"].data_ptr()
+    assert [views["experts"][n].data_ptr() - base for n in ("out", "x")] == [ALIGNMENT, 2 * ALIGNMENT]
+
+
+def test_generation_counts_the_buffers_reserve_replaced():
+    manager = WorkspaceManager()
+    assert manager.generation == 0
+    manager.reserve(1024)
+    manager.reserve(512)  # fits: same buffer
+    manager.take(WorkspaceShapes.of(x=((16,), torch.float32)))
+    assert manager.generation == 1
+    manager.take(WorkspaceShapes.of(x=((1024,), torch.float32)))  # grows
+    assert manager.generation == 2
