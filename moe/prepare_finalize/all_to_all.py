@@ -50,8 +50,7 @@ from moe.parallel import (
     token_payloads,
     wire_format,
 )
-from moe.platform import Platform
-from moe.prepare_finalize.base import PrepareFinalize, add_shared, combine_slots
+from moe.prepare_finalize.base import PrepareFinalize, Ranks, Transport, add_shared, combine_slots
 from moe.prepare_finalize.batched import batch_slots
 from moe.prepare_finalize.local import QUANTIZABLE
 from moe.problem import MoEProblem
@@ -61,10 +60,8 @@ from moe.router import TopK
 from moe.workspace import Workspace, WorkspaceShapes
 
 
-def expert_parallel_reasons(problem: MoEProblem) -> list[str]:
-    if problem.parallel.ep_size == 1:
-        return ["single rank (ep_size=1): use local"]
-    return []
+# what both all-to-all classes declare; the batched one in the batched format
+EXPERT_PARALLEL = Transport(ActivationFormat.STANDARD, QUANTIZABLE, ranks=frozenset({Ranks.EXPERT_PARALLEL}))
 
 
 @dataclass(frozen=True)
@@ -96,8 +93,6 @@ class BatchedRoute:
 class _ExpertParallel(PrepareFinalize):
     """What both all-to-all classes share: the group, the placement, the capacity, the wire format."""
 
-    quant_formats = QUANTIZABLE
-
     def __init__(self, problem: MoEProblem, capacity: EPCapacity):
         super().__init__(problem)
         self.capacity = capacity
@@ -105,10 +100,6 @@ class _ExpertParallel(PrepareFinalize):
         self.group = process_group(problem.parallel, self.name)
         self.placement = ExpertPlacement.gather(problem, self.group)
         self._owner, self._to_local = self.placement.tensors(comm_device(self.group))
-
-    @classmethod
-    def check(cls, problem: MoEProblem, platform: Platform | None) -> list[str]:
-        return super().check(problem, platform) + expert_parallel_reasons(problem)
 
     @property
     def num_dispatchers(self) -> int:
@@ -152,7 +143,7 @@ class AllToAllPrepareFinalize(_ExpertParallel):
     """Standard format; M' (rows arriving) varies per call, bounded by ``ep_size x max_tokens``."""
 
     name = "all_to_all"
-    format = ActivationFormat.STANDARD
+    transport = EXPERT_PARALLEL
 
     def __init__(self, problem: MoEProblem, *, max_prefill_tokens: int | None = None):
         capacity = EPCapacity(problem.parallel.ep_size, problem.max_tokens, None, max_prefill_tokens)
@@ -221,7 +212,7 @@ class BatchedAllToAllPrepareFinalize(_ExpertParallel):
     """
 
     name = "all_to_all_batched"
-    format = ActivationFormat.BATCHED
+    transport = replace(EXPERT_PARALLEL, format=ActivationFormat.BATCHED)
 
     def __init__(self, problem: MoEProblem, *, max_tokens_per_rank: int | None = None,
                  max_tokens_per_expert: int | None = None, max_prefill_tokens: int | None = None):

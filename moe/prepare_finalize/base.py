@@ -1,5 +1,9 @@
 """The PrepareFinalize contract: how tokens reach the experts and how their results come back.
 
+A PrepareFinalize class declares what it can serve once, as data (``transport``, a `Transport`);
+``check`` derives every reason it cannot serve a problem from that record, and the oracle, the
+composition checks (`moe.compose`) and the support table read the same record.
+
 ``prepare`` turns ``hidden [M, H]`` and its ``TopK`` into a ``Dispatched`` in this class's activation
 format (quantizing activations when the experts want them quantized, and, under expert parallelism,
 sending tokens to the ranks that own their experts). ``finalize`` turns the experts' output back into
@@ -9,27 +13,73 @@ M = 0 (an idle rank) goes through both without special cases at the call site.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from moe.errors import MoEConfigError
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
-from moe.platform import Platform
-from moe.problem import MoEProblem
+from moe.platform import Platform, missing_library_reason
+from moe.problem import MoEProblem, ParallelConfig
 from moe.quant import QuantFormat
 from moe.router import TopK
 from moe.workspace import Workspace, WorkspaceShapes
 
 
+class Ranks(enum.Enum):
+    """How many ranks a transport serves."""
+
+    ONE = "one"  # a single rank holds every expert
+    EXPERT_PARALLEL = "expert_parallel"  # ep_size > 1: tokens travel to the ranks owning their experts
+
+
+@dataclass(frozen=True)
+class Transport:
+    """What a PrepareFinalize class can serve. Every field is checked by ``PrepareFinalize.check``."""
+
+    format: ActivationFormat  # the activation format prepare produces
+    quant_formats: frozenset[QuantFormat]  # activation formats prepare can quantize to
+    ranks: frozenset[Ranks] = frozenset(Ranks)
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    runs_on: str = ""  # where it runs, in words, for the reason a device is refused (default: the devices)
+    libraries: tuple[str, ...] = ()  # must be importable (Platform.libraries)
+    max_ranks: int | None = None  # the most ranks (ep_size) it can join
+    max_top_k: int | None = None
+    expert_map: bool = True  # False: experts placed contiguously only (rank = e // (E / ep_size))
+    implemented: bool = True  # False: a declaration only, never selected
+
+
+# a subclass may refine its parent's transport by setting one of these as a class attribute
+_REFINABLE = ("format", "quant_formats", "implemented")
+
+
 class PrepareFinalize(ABC):
-    """Base class; subclasses set ``name``, ``format`` and ``quant_formats``."""
+    """Base class; subclasses set ``name`` and ``transport``.
+
+    ``format``, ``quant_formats`` and ``implemented`` read the transport's fields. A subclass of a
+    declared class may set one of them as a class attribute instead of a whole new transport
+    (``quant_formats = frozenset()``): it replaces that field of the inherited transport.
+    """
 
     name: ClassVar[str]
-    format: ClassVar[ActivationFormat]
-    quant_formats: ClassVar[frozenset[QuantFormat]]  # activation formats prepare can quantize to
-    implemented: ClassVar[bool] = True
+    transport: ClassVar[Transport]
+    format: ClassVar[ActivationFormat]  # transport.format
+    quant_formats: ClassVar[frozenset[QuantFormat]]  # transport.quant_formats
+    implemented: ClassVar[bool]  # transport.implemented
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        inherited = getattr(cls, "transport", None)
+        refined = {f: cls.__dict__[f] for f in _REFINABLE if f in cls.__dict__}
+        if refined and "transport" not in cls.__dict__ and isinstance(inherited, Transport):
+            cls.transport = dataclasses.replace(inherited, **refined)
+        if isinstance(getattr(cls, "transport", None), Transport):
+            for f in _REFINABLE:
+                setattr(cls, f, getattr(cls.transport, f))
 
     def __init__(self, problem: MoEProblem):
         if not isinstance(problem, MoEProblem):
@@ -39,11 +89,37 @@ class PrepareFinalize(ABC):
 
     @classmethod
     def check(cls, problem: MoEProblem, platform: Platform | None) -> list[str]:
-        """Every reason this class cannot serve ``problem`` on ``platform``; empty when it can."""
+        """Every reason this class cannot serve ``problem`` on ``platform``; empty when it can.
+
+        With ``platform=None`` only the problem is checked.
+        """
+        t, parallel = cls.transport, problem.parallel
         reasons = []
-        if not cls.implemented:
+        if not t.implemented:
             reasons.append("declared only: no working prepare/finalize in this build")
+        if parallel.ep_size > 1 and Ranks.EXPERT_PARALLEL not in t.ranks:
+            reasons.append(f"serves one rank; ep_size={parallel.ep_size} needs an all-to-all prepare/finalize")
+        if parallel.ep_size == 1 and Ranks.ONE not in t.ranks:
+            reasons.append("single rank (ep_size=1): use local")
+        if not t.expert_map and not _contiguous(problem):
+            reasons.append("places experts contiguously (rank = e // (E / ep_size)); an explicit expert_map is "
+                           "not supported: use all_to_all")
+        if t.max_ranks is not None and parallel.ep_size > t.max_ranks:
+            reasons.append(f"supports at most {t.max_ranks} ranks (got ep_size={parallel.ep_size})")
+        if t.max_top_k is not None and problem.top_k > t.max_top_k:
+            reasons.append(f"supports top_k <= {t.max_top_k} (got {problem.top_k})")
+        if platform is not None:
+            reasons += _platform_reasons(t, platform)
         return reasons
+
+    @classmethod
+    def declared_workspace(cls, problem: MoEProblem) -> tuple[DispatchShape, WorkspaceShapes]:
+        """The most an instance built with its default options dispatches for ``problem.max_tokens``
+        tokens, and its own scratch -- from the declarations alone (the oracle sizes a plan's workspace
+        with it, building nothing). Default: every rank's ``max_tokens`` may arrive (one rank: M rows),
+        and no scratch (under expert parallelism a transport's own buffers are not counted)."""
+        rows = problem.max_tokens * problem.parallel.ep_size
+        return DispatchShape(cls.transport.format, rows), WorkspaceShapes()
 
     # --- properties of the transport -----------------------------------------------------------
     @property
@@ -103,3 +179,22 @@ def combine_slots(
 def add_shared(out: torch.Tensor, shared_output: torch.Tensor | None) -> torch.Tensor:
     """``out += shared_output`` in place (``out`` is finalize's fresh result); ``out`` when None."""
     return out if shared_output is None else out.add_(shared_output)
+
+
+def _contiguous(problem: MoEProblem) -> bool:
+    """True unless the problem places experts by an explicit map other than the contiguous blocks."""
+    p = problem.parallel
+    if p.expert_map is None:
+        return True
+    return list(p.expert_map) == ParallelConfig(p.ep_size, p.ep_rank).global_to_local(problem.num_experts)
+
+
+def _platform_reasons(transport: Transport, platform: Platform) -> list[str]:
+    reasons = []
+    if platform.device not in transport.devices:
+        where = transport.runs_on or str(sorted(transport.devices))
+        reasons.append(f"runs on {where}, not {platform.device}")
+    for lib in transport.libraries:
+        if not platform.has_library(lib):
+            reasons.append(missing_library_reason(lib))
+    return reasons

@@ -12,9 +12,8 @@ import torch
 
 from moe.errors import MoEConfigError
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
-from moe.prepare_finalize.base import PrepareFinalize, combine_slots
-from moe.platform import Platform
-from moe.prepare_finalize.local import QUANTIZABLE, quantize_activations, single_rank_reasons
+from moe.prepare_finalize.base import PrepareFinalize, Ranks, Transport, combine_slots
+from moe.prepare_finalize.local import QUANTIZABLE, quantize_activations
 from moe.problem import MoEProblem
 from moe.quant import QuantFormat, QuantizedTensor
 from moe.registry import register_prepare_finalize
@@ -43,8 +42,7 @@ def batch_slots(local_ids: torch.Tensor, num_local: int, capacity: int) -> tuple
 @register_prepare_finalize
 class BatchedPrepareFinalize(PrepareFinalize):
     name = "batched"
-    format = ActivationFormat.BATCHED
-    quant_formats = QUANTIZABLE
+    transport = Transport(ActivationFormat.BATCHED, QUANTIZABLE, ranks=frozenset({Ranks.ONE}))
 
     def __init__(self, problem: MoEProblem, max_tokens_per_expert: int | None = None):
         super().__init__(problem)
@@ -54,24 +52,18 @@ class BatchedPrepareFinalize(PrepareFinalize):
         self.capacity = capacity
         # the expert map on each device prepare has seen: built on the first call there, not per call
         self._expert_maps: dict[torch.device, torch.Tensor] = {}
-        # scale layout of one row in the activation format: read once off a tiny quantization
-        probe = quantize_activations(torch.ones(1, problem.hidden_size, dtype=problem.dtype), problem.quant.activation)
-        self._row_layout = probe
-
-    @classmethod
-    def check(cls, problem: MoEProblem, platform: Platform | None) -> list[str]:
-        return super().check(problem, platform) + single_rank_reasons(problem)
+        self._row_layout = _row_probe(problem)
 
     def dispatch_shape(self, num_tokens: int) -> DispatchShape:
         return DispatchShape(ActivationFormat.BATCHED, self.capacity)
 
     def workspace_shapes(self, num_tokens: int) -> WorkspaceShapes:
-        # the dispatched activations are the experts' input: [E_local, T, H(/2 packed)] + row scales
-        e_local, probe = self.problem.local_num_experts, self._row_layout
-        buffers = {"x": ((e_local, self.capacity, probe.data.shape[-1]), probe.data.dtype)}
-        if probe.scale is not None and probe.scale.dim() > 0:
-            buffers["x_scale"] = ((e_local, self.capacity, probe.scale.shape[-1]), probe.scale.dtype)
-        return WorkspaceShapes.of(**buffers)
+        return _expert_buffers(self.problem, self.capacity, self._row_layout)
+
+    @classmethod
+    def declared_workspace(cls, problem: MoEProblem) -> tuple[DispatchShape, WorkspaceShapes]:
+        capacity = problem.max_tokens  # the default max_tokens_per_expert
+        return DispatchShape(ActivationFormat.BATCHED, capacity), _expert_buffers(problem, capacity, _row_probe(problem))
 
     def _expert_map(self, device: torch.device) -> torch.Tensor:
         """int32 ``[E]`` on ``device``: global id -> local id, -1 elsewhere (copied there once)."""
@@ -113,3 +105,18 @@ class BatchedPrepareFinalize(PrepareFinalize):
         rows = dispatched.slot_rows
         per_slot = torch.where((rows >= 0).unsqueeze(-1), flat[rows.clamp(min=0)], 0)
         return combine_slots(per_slot, topk, output.kind, self.problem.dtype, shared_output)
+
+
+def _row_probe(problem: MoEProblem) -> QuantizedTensor:
+    """One row in the activation format: its data and scale layout, read off a tiny quantization."""
+    return quantize_activations(torch.ones(1, problem.hidden_size, dtype=problem.dtype), problem.quant.activation)
+
+
+def _expert_buffers(problem: MoEProblem, capacity: int, probe: QuantizedTensor) -> WorkspaceShapes:
+    """The dispatched activations are the experts' input: ``[E_local, T, H(/2 packed)]`` + row scales,
+    laid out like ``probe``, one row quantized to the activation format."""
+    e_local = problem.local_num_experts
+    buffers = {"x": ((e_local, capacity, probe.data.shape[-1]), probe.data.dtype)}
+    if probe.scale is not None and probe.scale.dim() > 0:
+        buffers["x_scale"] = ((e_local, capacity, probe.scale.shape[-1]), probe.scale.dtype)
+    return WorkspaceShapes.of(**buffers)

@@ -45,11 +45,10 @@ from moe.parallel import (
     token_payloads,
     wire_format,
 )
-from moe.platform import Platform, missing_library_reason
-from moe.prepare_finalize.all_to_all import ExchangedDispatched, expert_parallel_reasons
-from moe.prepare_finalize.base import PrepareFinalize, add_shared
+from moe.prepare_finalize.all_to_all import ExchangedDispatched
+from moe.prepare_finalize.base import PrepareFinalize, Ranks, Transport, add_shared
 from moe.prepare_finalize.local import QUANTIZABLE
-from moe.problem import MoEProblem, ParallelConfig
+from moe.problem import MoEProblem
 from moe.quant import QuantFormat
 from moe.registry import register_prepare_finalize
 from moe.router import TopK
@@ -75,27 +74,9 @@ def dispatch_bytes_per_token(problem: MoEProblem) -> int:
 @register_prepare_finalize
 class FlashInferAllToAllPrepareFinalize(PrepareFinalize):
     name = "flashinfer_a2a"
-    format = ActivationFormat.STANDARD
-    quant_formats = QUANTIZABLE
-
-    @classmethod
-    def check(cls, problem: MoEProblem, platform: Platform | None) -> list[str]:
-        reasons = super().check(problem, platform) + expert_parallel_reasons(problem)
-        p = problem.parallel
-        contiguous = ParallelConfig(p.ep_size, p.ep_rank).global_to_local(problem.num_experts)
-        if p.expert_map is not None and list(p.expert_map) != contiguous:
-            reasons.append("places experts contiguously (rank = e // (E / ep_size)); an explicit expert_map is "
-                           "not supported: use all_to_all")
-        if p.ep_size > MAX_RANKS:
-            reasons.append(f"supports at most {MAX_RANKS} ranks (got ep_size={p.ep_size})")
-        if problem.top_k > MAX_TOP_K:
-            reasons.append(f"supports top_k <= {MAX_TOP_K} (got {problem.top_k})")
-        if platform is not None:
-            if not platform.is_cuda:
-                reasons.append(f"runs on CUDA GPUs of one host joined by NVLink, not {platform.device}")
-            if not platform.has_library("flashinfer"):
-                reasons.append(missing_library_reason("flashinfer"))
-        return reasons
+    transport = Transport(ActivationFormat.STANDARD, QUANTIZABLE, ranks=frozenset({Ranks.EXPERT_PARALLEL}),
+                          devices=frozenset({"cuda"}), runs_on="CUDA GPUs of one host joined by NVLink",
+                          libraries=("flashinfer",), max_ranks=MAX_RANKS, max_top_k=MAX_TOP_K, expert_map=False)
 
     def __init__(self, problem: MoEProblem, *, max_prefill_tokens: int | None = None):
         super().__init__(problem)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import torch
 
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
-from moe.platform import Platform
-from moe.prepare_finalize.base import PrepareFinalize, combine_slots
-from moe.problem import MoEProblem
+from moe.prepare_finalize.base import PrepareFinalize, Ranks, Transport, combine_slots
 from moe.quant import SCHEME_PAIRS, QuantFormat, QuantizedTensor, quantize
 from moe.registry import register_prepare_finalize
 from moe.router import TopK
@@ -25,21 +23,10 @@ def quantize_activations(hidden: torch.Tensor, fmt: QuantFormat) -> QuantizedTen
     return quantize(hidden, fmt, role="activation", check_finite=False)
 
 
-def single_rank_reasons(problem: MoEProblem) -> list[str]:
-    if problem.parallel.ep_size > 1:
-        return [f"serves one rank; ep_size={problem.parallel.ep_size} needs an all-to-all prepare/finalize"]
-    return []
-
-
 @register_prepare_finalize
 class LocalPrepareFinalize(PrepareFinalize):
     name = "local"
-    format = ActivationFormat.STANDARD
-    quant_formats = QUANTIZABLE
-
-    @classmethod
-    def check(cls, problem: MoEProblem, platform: Platform | None) -> list[str]:
-        return super().check(problem, platform) + single_rank_reasons(problem)
+    transport = Transport(ActivationFormat.STANDARD, QUANTIZABLE, ranks=frozenset({Ranks.ONE}))
 
     def dispatch_shape(self, num_tokens: int) -> DispatchShape:
         return DispatchShape(ActivationFormat.STANDARD, num_tokens)
