@@ -63,16 +63,16 @@ def _register(table: dict[str, type], kind: str, cls: T) -> T:
 def register_experts(cls: T) -> T:
     """Class decorator: makes an Experts subclass known to the oracle under ``cls.name``.
 
-    Raises MoEConfigError when ``cls`` is no Experts subclass or its ``capabilities`` is missing or
-    malformed (what the oracle, the CLI and the test matrix read)."""
+    Raises MoEConfigError when ``cls`` is no Experts subclass, its ``capabilities`` is missing or
+    malformed (what the oracle, the CLI and the test matrix read), or it defines no ``declared_workspace``."""
     return _register(_EXPERTS, "Experts", cls)
 
 
 def register_prepare_finalize(cls: T) -> T:
     """Class decorator: makes a PrepareFinalize subclass known to the oracle under ``cls.name``.
 
-    Raises MoEConfigError when ``cls`` is no PrepareFinalize subclass or its ``format``,
-    ``quant_formats`` or ``implemented`` is missing or of the wrong type."""
+    Raises MoEConfigError when ``cls`` is no PrepareFinalize subclass or its ``transport`` is missing
+    or malformed (its ``format``, ``quant_formats`` or ``implemented`` of the wrong type, ...)."""
     return _register(_PREPARE_FINALIZE, "PrepareFinalize", cls)
 
 
@@ -110,26 +110,35 @@ def _experts_problems(cls: type) -> list[str]:
                 for field, what, ok in fields if not _all(getattr(cap, field), ok)]
     if not isinstance(cap.output, OutputKind):
         problems.append(f"capabilities.output must be an OutputKind (got {cap.output!r})")
+    if getattr(cls.declared_workspace, "__func__", None) is Experts.declared_workspace.__func__:
+        problems.append("it defines no classmethod `declared_workspace(problem, dispatch)` (its buffers, "
+                        "which the oracle sizes a plan's workspace with, building nothing)")
     return problems
 
 
 def _prepare_finalize_problems(cls: type) -> list[str]:
     from moe.formats import ActivationFormat
-    from moe.prepare_finalize.base import PrepareFinalize
+    from moe.prepare_finalize.base import PrepareFinalize, Ranks, Transport
     from moe.quant import QuantFormat
 
     if not (isinstance(cls, type) and issubclass(cls, PrepareFinalize)):
         return ["it is not a subclass of moe.prepare_finalize.base.PrepareFinalize"]
+    transport = getattr(cls, "transport", _MISSING)
+    if not isinstance(transport, Transport):
+        got = "none" if transport is _MISSING else type(transport).__name__
+        return [f"`transport` must be a moe.prepare_finalize.base.Transport saying what it serves (got {got})"]
+    fields = (("ranks", "Ranks members", lambda v: isinstance(v, Ranks)),
+              ("devices", "device names (str)", lambda v: isinstance(v, str)),
+              ("libraries", "library names (str)", lambda v: isinstance(v, str)))
+    problems = [f"transport.{field} must be a collection of {what} (got {getattr(transport, field)!r})"
+                for field, what, ok in fields if not _all(getattr(transport, field), ok)]
     declared = (("format", "an ActivationFormat", lambda v: isinstance(v, ActivationFormat)),
                 ("quant_formats", "a collection of QuantFormat members",
                  lambda v: _all(v, lambda q: isinstance(q, QuantFormat))),
                 ("implemented", "a bool", lambda v: isinstance(v, bool)))
-    problems = []
-    for attr, what, ok in declared:
-        value = getattr(cls, attr, _MISSING)
-        if value is _MISSING:
-            problems.append(f"it has no `{attr}` ({what})")
-        elif not ok(value):
+    for attr, what, ok in declared:  # named as a subclass may refine them: class attributes
+        value = getattr(transport, attr)
+        if not ok(value):
             problems.append(f"`{attr}` must be {what} (got {value!r})")
     return problems
 

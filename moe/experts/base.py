@@ -6,7 +6,8 @@ reason it cannot serve a problem from it; override ``extra_checks`` only for wha
 
 Lifecycle: ``cls.check(problem, platform)`` -> ``experts = cls(problem)`` ->
 ``prepared = experts.prepare_weights(weights)`` (once, at load) -> per call:
-``experts.apply(dispatched, prepared, workspace)`` inside buffers sized by ``workspace_shapes``.
+``experts.apply(dispatched, prepared, workspace)`` inside buffers sized by ``declared_workspace``
+(a classmethod: the oracle sizes plans with it without an instance).
 """
 
 from __future__ import annotations
@@ -179,7 +180,8 @@ class Experts(ABC):
                 got = "None" if weights is None else f"{type(weights).__name__} (prepared by another backend?)"
             raise MoEConfigError(
                 f"weights: {self.name} computes on the {wanted} its prepare_weights returns, got {got}; "
-                "call prepared = experts.prepare_weights(weights) once at load and pass prepared to apply/forward"
+                "call prepared = experts.prepare_weights(weights) once at load and pass prepared to apply "
+                "(a ModularKernel prepares its own: kernel.load(weights))"
             )
         held = self.prepared_sizes(weights) if sizes else None
         p = self.problem
@@ -200,10 +202,19 @@ class Experts(ABC):
         the token counts in ``buckets`` (upper edges). Nothing by default; libraries that autotune
         (FlashInfer) do it here so the hot path only looks their choice up."""
 
-    @abstractmethod
-    def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
+    @classmethod
+    def declared_workspace(cls, problem: MoEProblem, dispatch: DispatchShape) -> WorkspaceShapes:
         """Every buffer ``apply`` uses for inputs of at most ``dispatch`` -- an upper bound that does not
-        depend on routing data; includes the output buffer and any scratch a library allocates."""
+        depend on routing data; includes the output buffer and any scratch a library allocates.
+
+        Computed from the class and the problem alone, without an instance: the oracle sizes a plan's
+        workspace with it, building nothing. Every backend defines it."""
+        raise NotImplementedError(f"{cls.__name__} defines no declared_workspace(problem, dispatch)")
+
+    def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
+        """The buffers this instance's ``apply`` uses (what a kernel reserves): ``declared_workspace``
+        for its problem, unless a class refines it for what only an instance knows (the GPU it runs on)."""
+        return type(self).declared_workspace(self.problem, dispatch)
 
     def apply_router_logits(
         self, hidden: torch.Tensor, router_logits: torch.Tensor, router: Any, weights: Any, workspace: Workspace
@@ -229,7 +240,7 @@ def _returned_type(prepare_weights: Any) -> type:
 def _checking_apply(apply: Any) -> Any:
     @functools.wraps(apply)
     def checked(self: Experts, dispatched: Dispatched, weights: Any, workspace: Workspace) -> ExpertsOutput:
-        self.check_prepared(weights)
+        self.check_prepared(weights, sizes=True)
         return apply(self, dispatched, weights, workspace)
 
     return checked
@@ -238,7 +249,7 @@ def _checking_apply(apply: Any) -> Any:
 def _checking_apply_router_logits(apply_router_logits: Any) -> Any:
     @functools.wraps(apply_router_logits)
     def checked(self: Experts, hidden, router_logits, router, weights: Any, workspace: Workspace) -> ExpertsOutput:
-        self.check_prepared(weights)
+        self.check_prepared(weights, sizes=True)
         return apply_router_logits(self, hidden, router_logits, router, weights, workspace)
 
     return checked

@@ -120,10 +120,11 @@ class FlashInferCuteDslExperts(Experts):
             return cute_dsl.CuteDslBf16MoEWrapper(**common)
         return cute_dsl.CuteDslMoEWrapper(**common, use_cuda_graph=True, device=str(device), quant_mode="w4a4")
 
-    def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
-        rows, p = dispatch.max_rows, self.problem
+    @classmethod
+    def declared_workspace(cls, problem: MoEProblem, dispatch: DispatchShape) -> WorkspaceShapes:
+        rows, p = dispatch.max_rows, problem
         buffers = {"out": ((rows, p.hidden_size), p.dtype)}
-        if self.pair == (F.NVFP4, F.NVFP4):
+        if (problem.quant.weight, problem.quant.activation) == (F.NVFP4, F.NVFP4):
             buffers["w1_alpha"] = ((p.local_num_experts,), torch.float32)
             buffers["w2_alpha"] = ((p.local_num_experts,), torch.float32)
         # the wrappers allocate their sort buffers and GEMM1 output themselves; accounted for here
@@ -186,8 +187,9 @@ class FlashInferCuteDslBatchedExperts(Experts):
         a2_quant = torch.full((weights.num_experts,), 1.0 / self.intermediate_scale, device=weights.device)
         return dataclasses.replace(prepared, per_expert={**prepared.per_expert, "a2_global": a2_quant})
 
-    def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
-        p, rows = self.problem, dispatch.max_rows
+    @classmethod
+    def declared_workspace(cls, problem: MoEProblem, dispatch: DispatchShape) -> WorkspaceShapes:
+        p, rows = problem, dispatch.max_rows
         e = p.local_num_experts
         return WorkspaceShapes.of(
             out=((e, rows, p.hidden_size), p.dtype),

@@ -132,26 +132,37 @@ class FlashInferCutlassExperts(Experts):
         return prepared
 
     # --- workspace ---------------------------------------------------------------------------
+    @classmethod
+    def declared_workspace(cls, problem: MoEProblem, dispatch: DispatchShape) -> WorkspaceShapes:
+        rows = dispatch.max_rows
+        return cls._buffers(problem, rows, cls._estimate(problem, _scratch_bucket(problem, rows)))
+
     def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
-        rows, g, p = dispatch.max_rows, self.geometry, self.problem
+        # on the GPU this pair runs on, the library's own scratch size replaces the estimate
+        rows = dispatch.max_rows
+        return self._buffers(self.problem, rows, self._library_scratch_bytes(rows))
+
+    @staticmethod
+    def _buffers(p: MoEProblem, rows: int, scratch_bytes: int) -> WorkspaceShapes:
+        g, pair = _geometry(p), (p.quant.weight, p.quant.activation)
         buffers = {"out": ((rows, g.hidden_padded), p.dtype)}
         if g.hidden_padded != g.hidden:
             buffers["x"] = ((rows, g.hidden_padded), p.dtype)
-        if self.pair == (F.FP8_TENSOR, F.FP8_TENSOR):
+        if pair == (F.FP8_TENSOR, F.FP8_TENSOR):
             buffers["x_q"] = ((rows, g.hidden_padded), torch.float8_e4m3fn)
-        if self.pair in ((F.FP8_TENSOR, F.FP8_TENSOR), (F.NVFP4, F.NVFP4)):
+        if pair in ((F.FP8_TENSOR, F.FP8_TENSOR), (F.NVFP4, F.NVFP4)):
             buffers["act_scale"] = ((1,), torch.float32)
             buffers["fc1_dequant"] = ((p.local_num_experts,), torch.float32)
             buffers["fc2_dequant"] = ((p.local_num_experts,), torch.float32)
-        buffers["library"] = ((self._library_scratch_bytes(rows),), torch.uint8)
+        buffers["library"] = ((scratch_bytes,), torch.uint8)
         return WorkspaceShapes.of(**buffers)
 
     def _library_scratch_bytes(self, rows: int) -> int:
         """cutlass_fused_moe's own scratch for up to ``rows`` tokens, asked per power-of-two bucket."""
-        bucket = min(1 << max(rows - 1, 0).bit_length(), max(self.tune_max_tokens, rows))
+        bucket = _scratch_bucket(self.problem, rows)
         if bucket not in self._scratch_bytes:
-            ask = self._ask_library if self._library_can_answer() else self._estimate
-            self._scratch_bytes[bucket] = ask(bucket)
+            can_ask = self._library_can_answer()
+            self._scratch_bytes[bucket] = self._ask_library(bucket) if can_ask else self._estimate(self.problem, bucket)
         return self._scratch_bytes[bucket]
 
     def _library_can_answer(self) -> bool:
@@ -173,10 +184,11 @@ class FlashInferCutlassExperts(Experts):
             **_FLAGS.get(self.pair, {}),
         )
 
-    def _estimate(self, rows: int) -> int:
+    @staticmethod
+    def _estimate(p: MoEProblem, rows: int) -> int:
         """An upper-bound guess where the library cannot be asked (no GPU): permuted input, both GEMM
         outputs in fp32 and the routing maps, per (token, slot), plus 32 MiB of GEMM workspace."""
-        g, p = self.geometry, self.problem
+        g = _geometry(p)
         per_slot = 4 * (2 * g.hidden_padded + p.w13_rows * 2 + g.inter_padded) + 64
         return rows * p.top_k * per_slot + 16 * p.local_num_experts * rows + (32 << 20)
 
@@ -243,6 +255,16 @@ class FlashInferCutlassExperts(Experts):
         workspace = WorkspaceManager(device).take(self.workspace_shapes(DispatchShape(ActivationFormat.STANDARD, rows)))
         with autotuning(buckets):
             self.apply(dispatched, weights, workspace)
+
+
+def _geometry(problem: MoEProblem) -> Geometry:
+    return Geometry.of(problem, CUTLASS_MODES[(problem.quant.weight, problem.quant.activation)].padded_sizes(problem))
+
+
+def _scratch_bucket(problem: MoEProblem, rows: int) -> int:
+    """The power-of-two token bucket whose scratch serves ``rows`` rows (at most the tuned maximum)."""
+    tune_max_tokens = 1 << max(problem.max_tokens - 1, 0).bit_length()
+    return min(1 << max(rows - 1, 0).bit_length(), max(tune_max_tokens, rows))
 
 
 def synthetic_dispatch(problem: MoEProblem, rows: int, device: torch.device) -> Dispatched:

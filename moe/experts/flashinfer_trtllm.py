@@ -133,26 +133,28 @@ class FlashInferTrtllmExperts(Experts):
         return prepare_trtllm(weights, self.problem, self.geometry)
 
     # --- workspace ---------------------------------------------------------------------------
-    def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
-        rows, g, p = dispatch.max_rows, self.geometry, self.problem
+    @classmethod
+    def declared_workspace(cls, problem: MoEProblem, dispatch: DispatchShape) -> WorkspaceShapes:
+        pair = (problem.quant.weight, problem.quant.activation)
+        rows, g, p = dispatch.max_rows, Geometry.of(problem, TRTLLM_MODES[pair].padded_sizes(problem)), problem
         probe = quantize(torch.ones(1, g.hidden_padded), p.quant.activation, "activation")
         buffers = {"out": ((rows, g.hidden_padded), torch.bfloat16), "topk": ((rows, p.top_k), torch.int32)}
         if g.hidden_padded != g.hidden:
             buffers["x"] = ((rows, probe.data.shape[-1]), probe.data.dtype)
             if probe.scale is not None and probe.scale.dim():
                 buffers["x_scale"] = ((rows, probe.scale.shape[-1]), probe.scale.dtype)
-        if self.pair == (F.FP8_BLOCK, F.FP8_BLOCK):
+        if pair == (F.FP8_BLOCK, F.FP8_BLOCK):
             buffers["x_scale_t"] = ((probe.scale.shape[-1] * rows,), torch.float32)
-        if self.pair in ((F.FP8_TENSOR, F.FP8_TENSOR), (F.NVFP4, F.NVFP4)):
+        if pair in ((F.FP8_TENSOR, F.FP8_TENSOR), (F.NVFP4, F.NVFP4)):
             for name in ("out1", "out1_gate", "out2"):
                 buffers[name] = ((p.local_num_experts,), torch.float32)
-        buffers["library"] = ((self._scratch_estimate(rows),), torch.uint8)
+        buffers["library"] = ((cls._scratch_estimate(p, g, rows),), torch.uint8)
         return WorkspaceShapes.of(**buffers)
 
-    def _scratch_estimate(self, rows: int) -> int:
+    @staticmethod
+    def _scratch_estimate(p: MoEProblem, g: Geometry, rows: int) -> int:
         """trtllm-gen allocates its routing buffers and GEMM intermediates itself; this accounts for them
         (an estimate: permuted input, first-GEMM output and activation per (token, slot), padded tiles)."""
-        g, p = self.geometry, self.problem
         slots = rows * p.top_k + p.local_num_experts * 128
         return slots * (2 * g.hidden_padded + 4 * p.w13_rows + 2 * g.inter_padded + 16) + (8 << 20)
 

@@ -82,8 +82,9 @@ class ReferenceExperts(Experts):
     def prepared_sizes(self, weights: DenseWeights) -> tuple[int, int, int]:
         return weights.w2.shape[0], weights.w2.shape[1], weights.w2.shape[2]
 
-    def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
-        p = self.problem
+    @classmethod
+    def declared_workspace(cls, problem: MoEProblem, dispatch: DispatchShape) -> WorkspaceShapes:
+        p = problem
         if dispatch.format is ActivationFormat.BATCHED:
             out_shape = (p.local_num_experts, dispatch.max_rows, p.hidden_size)
         else:

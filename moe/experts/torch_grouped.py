@@ -93,8 +93,9 @@ class TorchGroupedExperts(Experts):
     def prepared_sizes(self, weights: GroupedWeights) -> tuple[int, int, int]:
         return super().prepared_sizes(weights.weights)
 
-    def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
-        p = self.problem
+    @classmethod
+    def declared_workspace(cls, problem: MoEProblem, dispatch: DispatchShape) -> WorkspaceShapes:
+        p = problem
         slots = dispatch.max_rows * p.top_k
         return WorkspaceShapes.of(
             out=((dispatch.max_rows, p.hidden_size), torch.float32),

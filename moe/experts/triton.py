@@ -71,8 +71,9 @@ class TritonExperts(Experts):
     def prepared_sizes(self, weights: TritonWeights) -> tuple[int, int, int]:
         return triton_sizes(weights)
 
-    def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
-        p = self.problem
+    @classmethod
+    def declared_workspace(cls, problem: MoEProblem, dispatch: DispatchShape) -> WorkspaceShapes:
+        p = problem
         tokens = dispatch.max_rows
         slots = tokens * p.top_k
         act = p.quant.activation

@@ -65,8 +65,9 @@ class TritonBatchedExperts(Experts):
     def prepared_sizes(self, weights: TritonWeights) -> tuple[int, int, int]:
         return triton_sizes(weights)
 
-    def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
-        p = self.problem
+    @classmethod
+    def declared_workspace(cls, problem: MoEProblem, dispatch: DispatchShape) -> WorkspaceShapes:
+        p = problem
         rows = p.local_num_experts * dispatch.max_rows
         return WorkspaceShapes.of(
             out=((rows, p.hidden_size), p.dtype),

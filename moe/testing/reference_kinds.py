@@ -15,6 +15,7 @@ import torch
 from moe.experts.base import Experts
 from moe.experts.reference import DenseWeights, ReferenceExperts
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
+from moe.problem import MoEProblem
 from moe.workspace import Workspace, WorkspaceShapes
 
 
@@ -50,9 +51,10 @@ class ReducedReferenceExperts(ReferenceExperts):
         ReferenceExperts.capabilities, formats=frozenset({ActivationFormat.STANDARD}), output=OutputKind.REDUCED
     )
 
-    def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
-        reduced = WorkspaceShapes.of(reduced=((dispatch.max_rows, self.problem.hidden_size), torch.float32))
-        return super().workspace_shapes(dispatch).merge(reduced, prefix="")
+    @classmethod
+    def declared_workspace(cls, problem: MoEProblem, dispatch: DispatchShape) -> WorkspaceShapes:
+        reduced = WorkspaceShapes.of(reduced=((dispatch.max_rows, problem.hidden_size), torch.float32))
+        return super().declared_workspace(problem, dispatch).merge(reduced, prefix="")
 
     def apply(self, dispatched: Dispatched, weights: DenseWeights, workspace: Workspace) -> ExpertsOutput:
         per_slot = super().apply(dispatched, weights, workspace).out

@@ -14,6 +14,7 @@ import torch
 from moe import Capabilities, Experts, register_experts
 from moe.activation import ActivationKind
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
+from moe.problem import MoEProblem
 from moe.quant import QuantFormat
 from moe.quant.scheme import SCHEME_PAIRS
 from moe.weights import ExpertWeights
@@ -44,9 +45,9 @@ class EinsumExperts(Experts):
         as_f32 = lambda b: None if b is None else b.float()  # noqa: E731
         return EinsumWeights(w13, w2, as_f32(weights.b13), as_f32(weights.b2))
 
-    def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
-        p = self.problem
-        return WorkspaceShapes.of(out=((dispatch.max_rows, p.top_k, p.hidden_size), torch.float32))
+    @classmethod
+    def declared_workspace(cls, problem: MoEProblem, dispatch: DispatchShape) -> WorkspaceShapes:
+        return WorkspaceShapes.of(out=((dispatch.max_rows, problem.top_k, problem.hidden_size), torch.float32))
 
     def apply(self, dispatched: Dispatched, weights: EinsumWeights, workspace: Workspace) -> ExpertsOutput:
         p = self.problem
