@@ -7,6 +7,7 @@ k experts per token (top-k), ``w13`` the first GEMM's weights ``[E, 2I, H]`` (ro
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,8 +194,9 @@ class MoEProblem:
             **kwargs,
         )
 
-    @property
+    @functools.cached_property
     def local_num_experts(self) -> int:
+        # read on every forward by some backends; counting the map each time cost tens of microseconds at E=128
         return self.parallel.local_num_experts(self.num_experts)
 
     @property
