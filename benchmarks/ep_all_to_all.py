@@ -83,19 +83,18 @@ def bench_rank(rank: int, world: int, preset_name: str, tokens: list[int], exper
         standard = ActivationFormat.STANDARD in cls.capabilities.formats
         single_pf = LocalPrepareFinalize(full) if standard else BatchedPrepareFinalize(full)
         single = ModularKernel(single_pf, cls(full), device=device)
-        single_weights = single.experts.prepare_weights(weights)
+        single.load(weights)
         for pf_name in PREPARE_FINALIZE:
             pf_cls = get_prepare_finalize(pf_name)
             if pf_cls.format not in cls.capabilities.formats:
                 continue
             kernel = ModularKernel(pf_cls(sharded), cls(sharded), device=device)
-            prepared = kernel.experts.prepare_weights(local_weights)
+            kernel.load(local_weights)
             for m in tokens:
-                records.append(_measure(rank, world, preset, full, kernel, prepared, single, single_weights,
-                                        name, pf_name, m, device))
-            del kernel, prepared
+                records.append(_measure(rank, world, preset, full, kernel, single, name, pf_name, m, device))
+            del kernel
             _free(device)
-        del single, single_weights
+        del single
         _free(device)
     return records
 
@@ -105,27 +104,24 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def _measure(rank, world, preset, full, kernel, prepared, single, single_weights, name, pf_name, m, device) -> dict:
+def _measure(rank, world, preset, full, kernel, single, name, pf_name, m, device) -> dict:
     inputs = rank_inputs(preset, full, m, world, device)
     hidden, topk = inputs[rank]
-    forward = lambda: kernel.forward(hidden, topk, prepared, validate=False)  # noqa: E731
+    forward = lambda: kernel.forward(hidden, topk, validate=False)  # noqa: E731
     dist.barrier()
     ep_ms = median_ms(forward)
     # the experts' share: apply alone on rows dispatched once (prepare/finalize are collective)
-    shapes = kernel.workspace_shapes(m)
-    views = kernel.workspace.take(shapes)
-    split = lambda prefix: {k[len(prefix):]: v for k, v in views.items() if k.startswith(prefix)}  # noqa: E731
-    from moe.workspace import Workspace
-
-    dispatched = kernel.prepare_finalize.prepare(hidden, topk, kernel.quantize_to, Workspace(split("prepare_finalize.")))
-    experts_ms = median_ms(lambda: kernel.experts.apply(dispatched, prepared, Workspace(split("experts."))))
+    views = kernel.workspace.take_sections(kernel.workspace_shapes(m))
+    dispatched = kernel.prepare_finalize.prepare(hidden, topk, kernel.quantize_to, views["prepare_finalize"])
+    prepared = kernel.prepared_weights
+    experts_ms = median_ms(lambda: kernel.experts.apply(dispatched, prepared, views["experts"]))
     dist.barrier()
     # one GPU, all experts, every rank's tokens
     all_hidden = torch.cat([h for h, _ in inputs])
     all_topk = TopK(torch.cat([t.ids for _, t in inputs]), torch.cat([t.weights for _, t in inputs]))
-    single_ms = median_ms(lambda: single.forward(all_hidden, all_topk, single_weights, validate=False))
+    single_ms = median_ms(lambda: single.forward(all_hidden, all_topk, validate=False))
     out = forward()
-    truth = single.forward(all_hidden, all_topk, single_weights, validate=False)[rank * m:(rank + 1) * m]
+    truth = single.forward(all_hidden, all_topk, validate=False)[rank * m:(rank + 1) * m]
     return {"experts": name, "prepare_finalize": pf_name, "tokens_per_rank": m, "rank": rank,
             "ep_ms": ep_ms, "experts_ms": experts_ms, "single_gpu_ms": single_ms,
             "relative_error": relative_error(out, truth)}

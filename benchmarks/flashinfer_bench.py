@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe.bench import build_weights, make_inputs, measure_ceilings, time_calls, traffic  # noqa: E402
 from moe.formats import ActivationFormat, DispatchShape  # noqa: E402
-from moe.kernel import activation_quant  # noqa: E402
+from moe.compose import activation_quant  # noqa: E402
 from moe.platform import Platform  # noqa: E402
 from moe.prepare_finalize.local import LocalPrepareFinalize  # noqa: E402
 from moe.presets import load_preset  # noqa: E402
@@ -51,7 +51,7 @@ def timed_backend(name, problem, weights, preset, tokens, ceilings, log, tune=Tr
         inputs = make_inputs(preset, problem, m, 4, torch.device("cuda"))
         calls, manager, pf = [], WorkspaceManager("cuda"), LocalPrepareFinalize(problem)
         for hidden, topk in inputs:
-            dispatched = pf.prepare(hidden, topk, activation_quant(experts),
+            dispatched = pf.prepare(hidden, topk, activation_quant(cls, problem),
                                     WorkspaceManager("cuda").take(pf.workspace_shapes(m)))
             workspace = manager.take(experts.workspace_shapes(DispatchShape(ActivationFormat.STANDARD, m)))
             calls.append(lambda d=dispatched, w=workspace: experts.apply(d, prepared, w))

@@ -195,7 +195,7 @@ def backend_calls(cls, problem, weights, inputs, device, *, experts=None, prepar
     """No-argument functions, one per input set, that run ``cls``'s experts stage (on ``experts`` and
     its ``prepared`` weights when given: the tuner times one config that way)."""
     from moe.formats import ActivationFormat, DispatchShape
-    from moe.kernel import activation_quant
+    from moe.compose import activation_quant
     from moe.prepare_finalize.batched import BatchedPrepareFinalize
     from moe.prepare_finalize.local import LocalPrepareFinalize
     from moe.workspace import WorkspaceManager
@@ -212,7 +212,7 @@ def backend_calls(cls, problem, weights, inputs, device, *, experts=None, prepar
                    for _, t in inputs)
         prepare = BatchedPrepareFinalize(problem, max_tokens_per_expert=max(16, -(-most // 16) * 16))
     manager = WorkspaceManager(device)
-    fmt = activation_quant(experts)
+    fmt = activation_quant(cls, problem)
     calls = []
     for hidden, topk in inputs:
         pf_ws = WorkspaceManager(device).take(prepare.workspace_shapes(tokens), prepare.name)

@@ -1,18 +1,24 @@
 """ModularKernel: one PrepareFinalize composed with one Experts, checked when composed.
 
-    out = finalize(experts.apply(prepare(hidden, topk), weights, workspace), topk)
+    kernel = ModularKernel(prepare_finalize, experts, device=...)   # every contract checked (moe.compose)
+    kernel.load(weights)       # once: experts.prepare_weights, warmup, the workspace views of each bucket
+    out = kernel(hidden, topk) # finalize(experts.apply(prepare(hidden, topk), prepared, workspace), topk)
 
 Every contract between the two halves -- activation format, who quantizes, who applies the router
 weights and sums over k, the problem they were built for -- is checked in ``__init__`` and reported
-all at once, never half-way through a forward.
+all at once, never half-way through a forward. Everything static is decided before the first call:
+whether the experts route from the logits (``__init__``), and the workspace views of every token
+bucket (``load``), so a forward only looks its bucket's views up.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import bisect
+from typing import Any, Sequence
 
 import torch
 
+from moe.compose import activation_quant, composition_problems
 from moe.errors import MoEConfigError
 from moe.experts.base import Experts
 from moe.formats import ActivationFormat, Dispatched, OutputKind
@@ -21,51 +27,21 @@ from moe.prepare_finalize.base import PrepareFinalize
 from moe.problem import MoEProblem
 from moe.quant import QuantFormat, QuantizedTensor
 from moe.router import Router, TopK
-from moe.workspace import Workspace, WorkspaceManager, WorkspaceShapes
+from moe.weights import ExpertWeights
+from moe.workspace import Workspace, WorkspaceLayout, WorkspaceManager
 
-_PREPARE, _EXPERTS = "prepare_finalize.", "experts."
-
-
-def composition_problems(
-    prepare_finalize: PrepareFinalize, experts: Experts, platform: Platform | None
-) -> list[str]:
-    """Every reason the two halves cannot work together on ``platform``; empty when they can.
-
-    ``platform=None`` checks the declarations only (what the conformance kit asks of a format);
-    a kernel that will run always passes its platform, so a backend that would compute wrongly or
-    not at all there (Triton's CPU interpreter with bfloat16, a CUDA-only kernel on a CPU) is refused
-    when it is composed.
-    """
-    pf, cap = prepare_finalize, experts.capabilities
-    problems = []
-    if pf.problem != experts.problem:
-        problems.append("prepare/finalize and experts were built for different MoEProblems")
-    if pf.format not in cap.formats:
-        takes = ", ".join(sorted(f.value for f in cap.formats))
-        problems.append(f"{pf.name} produces the {pf.format.value} format but {experts.name} takes {takes}")
-    if pf.format is ActivationFormat.BATCHED and cap.output is OutputKind.REDUCED:
-        problems.append(f"{experts.name} declares reduced output, which the batched format cannot carry")
-    wanted = activation_quant(experts)
-    if wanted is not QuantFormat.NONE and wanted not in pf.quant_formats:
-        problems.append(f"{experts.name} wants {wanted.value} activations, which {pf.name} cannot produce")
-    problems += [f"{pf.name}: {r}" for r in pf.check(pf.problem, platform)]
-    if platform is not None:
-        problems += [f"{experts.name} on {platform.name}: {r}" for r in experts.check(experts.problem, platform)]
-    return problems
-
-
-def activation_quant(experts: Experts) -> QuantFormat:
-    """The format prepare must quantize activations to: none if the experts quantize themselves."""
-    if experts.capabilities.quantizes_input:
-        return QuantFormat.NONE
-    return experts.problem.quant.activation
+# the sections of a kernel's workspace: each half's buffers under its own names
+_PREPARE, _EXPERTS = "prepare_finalize", "experts"
+_UNLOADED = object()
 
 
 class ModularKernel:
     """``ModularKernel(LocalPrepareFinalize(p), TritonExperts(p), device="cuda")``.
 
     Composition is checked against ``platform``: the detected platform of ``device`` unless one is given
-    (a simulated one, as the oracle passes the platform it planned for).
+    (a simulated one, as ``moe.build`` passes the platform the oracle planned for). ``workspace`` is the
+    `WorkspaceManager` whose buffer the kernel takes its views from: one shared by kernels that never run
+    at once (the members of a plan), or None for a manager of its own.
     """
 
     def __init__(
@@ -75,9 +51,12 @@ class ModularKernel:
         *,
         device: torch.device | str = "cpu",
         platform: Platform | None = None,
+        workspace: WorkspaceManager | None = None,
     ):
         self.platform = Platform.detect(device) if platform is None else platform
-        problems = composition_problems(prepare_finalize, experts, self.platform)
+        problems = [] if prepare_finalize.problem == experts.problem else [
+            "prepare/finalize and experts were built for different MoEProblems"]
+        problems += composition_problems(type(prepare_finalize), type(experts), experts.problem, self.platform)
         if problems:
             raise MoEConfigError(
                 f"cannot compose {prepare_finalize.name} with {experts.name}:\n"
@@ -86,17 +65,24 @@ class ModularKernel:
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.problem = experts.problem
-        self.quantize_to = activation_quant(experts)
-        self.workspace = WorkspaceManager(device)
+        self.quantize_to = activation_quant(type(experts), self.problem)
+        self.workspace = _manager(workspace, device)
+        self._routings_in_kernel = _routings_in_kernel(prepare_finalize, experts)
+        self._prepared: Any = _UNLOADED  # what experts.prepare_weights returned, set by load
+        self._edges: tuple[int, ...] = ()  # upper token edges of the buckets, ascending
+        self._layouts: tuple[WorkspaceLayout, ...] = ()  # the workspace of each bucket
+        self._views: tuple[dict[str, Workspace], ...] = ()  # and its views, taken at load
+        self._generation = -1  # the manager's generation the views were taken from
 
     def __repr__(self) -> str:
         return f"ModularKernel({self.prepare_finalize.name} + {self.experts.name})"
 
     # --- workspace -----------------------------------------------------------------------------
-    def workspace_shapes(self, num_tokens: int) -> WorkspaceShapes:
+    def workspace_shapes(self, num_tokens: int) -> WorkspaceLayout:
+        """The buffers a forward of ``num_tokens`` tokens uses, one section per half."""
         pf = self.prepare_finalize
         experts = self.experts.workspace_shapes(pf.dispatch_shape(num_tokens))
-        return WorkspaceShapes().merge(pf.workspace_shapes(num_tokens), _PREPARE).merge(experts, _EXPERTS)
+        return WorkspaceLayout.of(**{_PREPARE: pf.workspace_shapes(num_tokens), _EXPERTS: experts})
 
     def workspace_bytes(self, max_tokens: int | None = None) -> int:
         """Exact bytes of workspace a forward of up to ``max_tokens`` tokens uses."""
@@ -110,63 +96,112 @@ class ModularKernel:
             self.workspace.lock()
         return nbytes
 
+    # --- load ----------------------------------------------------------------------------------
+    def load(self, weights: ExpertWeights, buckets: Sequence[int] | None = None) -> None:
+        """Makes ``weights`` (the canonical `ExpertWeights` of this problem) the kernel's own: the experts'
+        ``prepare_weights`` once, their ``warmup`` for the token ``buckets`` (the upper edges of the M the
+        caller will run; None: the experts' defaults), and the workspace views of every bucket, taken from
+        the reserved buffer (the largest first). A forward of M tokens then runs on the views of the first
+        bucket edge >= M. Loading again replaces the weights."""
+        if not isinstance(weights, ExpertWeights):
+            raise MoEConfigError(self._not_canonical(weights))
+        edges = self._bucket_edges(buckets)
+        prepared = self.experts.prepare_weights(weights)
+        self.experts.warmup(prepared, None if buckets is None else tuple(sorted(set(buckets))))
+        layouts = tuple(self.workspace_shapes(edge) for edge in edges)
+        views = self._taken(layouts)  # all or nothing: a load that fails leaves the kernel as it was
+        self._edges, self._layouts, self._views, self._prepared = edges, layouts, views, prepared
+
+    @property
+    def prepared_weights(self) -> Any:
+        """What the experts' ``prepare_weights`` returned at ``load`` (to time ``experts.apply`` alone)."""
+        self._require_loaded()
+        return self._prepared
+
+    def _bucket_edges(self, buckets: Sequence[int] | None) -> tuple[int, ...]:
+        top = self.problem.max_tokens
+        edges = set() if buckets is None else set(buckets)
+        bad = sorted((e for e in edges if isinstance(e, bool) or not isinstance(e, int) or not 0 < e <= top), key=repr)
+        if bad:
+            raise MoEConfigError(f"buckets must be token counts in [1, max_tokens={top}] (got {bad}); "
+                                 "they are the upper edges of the M this kernel runs")
+        return tuple(sorted(edges | {top}))
+
+    def _taken(self, layouts: tuple[WorkspaceLayout, ...]) -> tuple[dict[str, Workspace], ...]:
+        """The views of each layout; notes the manager's generation they were taken from."""
+        views: dict[int, dict[str, Workspace]] = {}
+        # the largest first: it reserves the buffer (or, locked and too small, fails naming this kernel)
+        for i in sorted(range(len(layouts)), key=lambda i: -layouts[i].nbytes):
+            views[i] = self.workspace.take_sections(layouts[i], caller=repr(self))
+        self._generation = self.workspace.generation
+        return tuple(views[i] for i in range(len(layouts)))
+
+    def _sections(self, num_tokens: int) -> dict[str, Workspace]:
+        """The views of ``num_tokens``'s bucket (the first edge >= M, as the layer picks its kernel)."""
+        self._require_loaded()
+        if self.workspace.generation != self._generation:  # a kernel sharing the manager grew its buffer
+            self._views = self._taken(self._layouts)
+        return self._views[bisect.bisect_left(self._edges, num_tokens)]
+
+    def _require_loaded(self) -> None:
+        if self._prepared is _UNLOADED:
+            raise MoEConfigError(f"{self!r} has no weights: call kernel.load(weights) once, with the canonical "
+                                 "ExpertWeights (e.g. ExpertWeights.from_dense(w13, w2, quant=...)), before a forward")
+
+    def _not_canonical(self, weights: object) -> str:
+        got = "None" if weights is None else type(weights).__name__
+        if isinstance(weights, self.experts.prepared_type):
+            got += " (prepared already: load prepares the canonical weights itself)"
+        return (f"weights: kernel.load takes the canonical ExpertWeights, which {self.experts.name} prepares into "
+                f"its {self.experts.prepared_type.__name__}; got {got}. Make them with "
+                "ExpertWeights.from_dense(w13, w2, quant=...) or moe.loaders")
+
     # --- forward ---------------------------------------------------------------------------------
     def forward(
         self,
         hidden: torch.Tensor,
         topk: TopK,
-        weights: Any,
         *,
         validate: bool = True,
         shared_output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``hidden [M, H]`` routed by ``topk`` -> a new ``[M, H]`` tensor (+ ``shared_output [M, H]``,
-        the shared experts' result, added inside finalize).
+        the shared experts' result, added inside finalize), on the weights given to ``load``.
 
-        ``weights`` are what ``experts.prepare_weights`` returned. ``validate`` also checks that every
-        expert id is in range, which reads the ids on the host, and that the weights were prepared for
-        this problem's sizes; pass False when the ids come from a Router (in range by construction) or
-        inside a CUDA graph.
+        ``validate`` also checks that every expert id is in range, which reads the ids on the host; pass
+        False when the ids come from a Router (in range by construction) or inside a CUDA graph.
         """
         self._check_hidden(hidden, shared_output)
         self._check_topk(hidden, topk, validate)
-        self.experts.check_prepared(weights, sizes=validate)  # raw ExpertWeights: says to prepare them
-        shapes = self.workspace_shapes(hidden.shape[0])
-        views = self.workspace.take(shapes, caller=repr(self))
-        pf_space, experts_space = _split(views, _PREPARE), _split(views, _EXPERTS)
-        dispatched = self.prepare_finalize.prepare(hidden, topk, self.quantize_to, pf_space)
-        output = self.experts.apply(dispatched, weights, experts_space)
+        space = self._sections(hidden.shape[0])
+        dispatched = self.prepare_finalize.prepare(hidden, topk, self.quantize_to, space[_PREPARE])
+        output = self.experts.apply(dispatched, self._prepared, space[_EXPERTS])
         return self.prepare_finalize.finalize(output, dispatched, topk, shared_output)
 
     __call__ = forward
 
     def routes_in_kernel(self, router: Router) -> bool:
-        """True when the experts compute ``router``'s routing themselves from the logits: one rank,
-        standard format, reduced output -- then ``forward_logits`` skips the Router and prepare."""
-        cap = self.experts.capabilities
-        return (
-            router.routing in cap.routes_from_logits
-            and self.prepare_finalize.format is ActivationFormat.STANDARD
-            and not self.problem.parallel.enabled
-            and cap.output is OutputKind.REDUCED
-        )
+        """True when the experts compute ``router``'s routing themselves from the logits (decided when
+        composed: one rank, standard format, reduced output) -- then ``forward_logits`` skips the Router
+        and prepare."""
+        return router.routing in self._routings_in_kernel
 
     def forward_logits(
-        self, hidden: torch.Tensor, router_logits: torch.Tensor, router: Router, weights: Any,
+        self, hidden: torch.Tensor, router_logits: torch.Tensor, router: Router,
         *, shared_output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Like ``forward(hidden, router(router_logits), weights)``, with the routing fused into the
-        experts' kernel where ``routes_in_kernel(router)``; the Router runs here otherwise."""
+        """Like ``forward(hidden, router(router_logits))``, with the routing fused into the experts'
+        kernel where ``routes_in_kernel(router)``; the Router runs here otherwise."""
         if not self.routes_in_kernel(router):
-            return self.forward(hidden, router(router_logits), weights, validate=False, shared_output=shared_output)
+            return self.forward(hidden, router(router_logits), validate=False, shared_output=shared_output)
         self._check_hidden(hidden, shared_output)
         if tuple(router_logits.shape) != (hidden.shape[0], self.problem.num_experts):
             raise MoEConfigError(
                 f"router_logits must be [M, num_experts] = [{hidden.shape[0]}, {self.problem.num_experts}] "
                 f"(got {list(router_logits.shape)})"
             )
-        views = self.workspace.take(self.workspace_shapes(hidden.shape[0]), caller=repr(self))
-        output = self.experts.apply_router_logits(hidden, router_logits, router, weights, _split(views, _EXPERTS))
+        space = self._sections(hidden.shape[0])
+        output = self.experts.apply_router_logits(hidden, router_logits, router, self._prepared, space[_EXPERTS])
         # reduced output: finalize only copies it out (adding shared_output); it reads no routing
         unrouted = Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=hidden, scale=None, fmt=QuantFormat.NONE),
                               TopK(router_logits.new_zeros(hidden.shape[0], 0, dtype=torch.int32),
@@ -241,5 +276,22 @@ def check_hidden(
         )
 
 
-def _split(views: Workspace, prefix: str) -> Workspace:
-    return Workspace({name[len(prefix) :]: t for name, t in views.items() if name.startswith(prefix)})
+
+def _manager(workspace: WorkspaceManager | None, device: torch.device | str) -> WorkspaceManager:
+    if workspace is None:
+        return WorkspaceManager(device)
+    if not isinstance(workspace, WorkspaceManager):
+        raise MoEConfigError(f"workspace must be a moe.WorkspaceManager (one shared by kernels that never run at "
+                             f"once) or None for one of the kernel's own (got {type(workspace).__name__})")
+    if workspace.device.type != torch.device(device).type:
+        raise MoEConfigError(f"workspace is on {workspace.device} but the kernel is built for {device}")
+    return workspace
+
+
+def _routings_in_kernel(prepare_finalize: PrepareFinalize, experts: Experts) -> frozenset[str]:
+    """The routings the experts compute from the logits in this composition: their declared ones when
+    there is one rank, the standard format and reduced output (nothing to send, nothing to sum), else none."""
+    cap = experts.capabilities
+    fused = (prepare_finalize.transport.format is ActivationFormat.STANDARD
+             and not experts.problem.parallel.enabled and cap.output is OutputKind.REDUCED)
+    return cap.routes_from_logits if fused else frozenset()

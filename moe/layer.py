@@ -1,9 +1,10 @@
 """FusedMoE: an ``nn.Module`` holding the weights, the router and the kernels the oracle chose.
 
 Lifecycle, each a named step: plan (``moe.oracle.plan``: the best (prepare/finalize, experts) pair per
-token bucket) -> build (one ``ModularKernel`` per distinct pair, sharing one workspace) -> load
-(``load_weights`` / ``load_checkpoint``: quantize to the scheme, then each kernel's ``prepare_weights``
-once) -> run (``forward`` dispatches on M to its bucket's kernel).
+token bucket, from declarations) -> build (``moe.build.build``: one ``ModularKernel`` per distinct pair,
+sharing one workspace) -> load (``load_weights`` / ``load_checkpoint``: quantize to the scheme, then
+``kernel.load`` on each kernel: its experts' ``prepare_weights`` once, warm-up, workspace views) -> run
+(``forward`` dispatches on M to its bucket's kernel).
 
 A plan that uses two experts backends holds the weights prepared for each (twice the weight memory);
 force one backend (``experts=``, ``MOE_EXPERTS``, a policy) where that matters.
@@ -18,6 +19,7 @@ from typing import Any, Mapping
 
 import torch
 
+from moe.build import build
 from moe.errors import MoEConfigError, SlowPathWarning
 from moe.kernel import ModularKernel, check_hidden
 from moe.loaders import load_experts, requantize
@@ -87,12 +89,12 @@ class FusedMoE(torch.nn.Module):
         self.platform = Platform.detect(self.device) if platform is None else platform
         self.plan: Plan = plan(self.problem, self.platform, _policy(policy, experts))
         _warn_if_slow(self.plan)
-        self.kernels: dict = self.plan.build_kernels(self.device)  # Pair -> ModularKernel
-        # per call: the bucket's upper edges and, for each bucket, its kernel
+        self.kernels: dict = build(self.plan, self.device)  # Pair -> ModularKernel
+        # per call: the bucket's upper edges and, for each bucket, its kernel and whether it routes itself
         self._edges = [b.high for b in self.plan.buckets]
         self._bucket_kernels = [self.kernels[b.chosen.pair] for b in self.plan.buckets]
-        self.weights: ExpertWeights | None = None
-        self._prepared: dict = {}  # id(kernel) -> its experts' prepared weights
+        self._routes_in_kernel = [k.routes_in_kernel(self.router) for k in self._bucket_kernels]
+        self.weights: ExpertWeights | None = None  # set once every kernel has loaded them
 
     @property
     def kernel(self) -> ModularKernel:
@@ -101,13 +103,16 @@ class FusedMoE(torch.nn.Module):
 
     def kernel_for(self, num_tokens: int) -> ModularKernel:
         """The kernel that runs a forward of ``num_tokens`` tokens (M = 0 goes to the first bucket)."""
+        return self._bucket_kernels[self._bucket(num_tokens)]
+
+    def _bucket(self, num_tokens: int) -> int:
         index = bisect.bisect_left(self._edges, num_tokens)
         if index == len(self._edges):
             raise MoEConfigError(
                 f"hidden_states has M={num_tokens} tokens, which exceeds max_tokens={self.problem.max_tokens} "
                 "this layer was built for; build it with a larger max_tokens or split the batch"
             )
-        return self._bucket_kernels[index]
+        return index
 
     def extra_repr(self) -> str:
         p = self.problem
@@ -145,12 +150,11 @@ class FusedMoE(torch.nn.Module):
             weights = shard_weights(weights, self.problem)  # full checkpoint -> this rank's experts
         weights = weights.to(self.device)
         weights.validate(self.problem)
-        self._prepared = {}
+        self.weights = None
+        for kernel in self.kernels.values():  # the shared buffer at its final size before any kernel takes views
+            kernel.reserve(max(self._buckets_of(kernel)))
         for kernel in self.kernels.values():
-            prepared = kernel.experts.prepare_weights(weights)
-            kernel.experts.warmup(prepared, self._buckets_of(kernel))
-            kernel.reserve(max(self._buckets_of(kernel)))  # the worst case, once, before any forward
-            self._prepared[id(kernel)] = prepared
+            kernel.load(weights, self._buckets_of(kernel))
         self.weights = weights
 
     def _buckets_of(self, kernel: ModularKernel) -> tuple[int, ...]:
@@ -162,17 +166,16 @@ class FusedMoE(torch.nn.Module):
         self, hidden_states: torch.Tensor, router_logits: torch.Tensor, shared_output: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``[M, H]``; ``shared_output`` (a shared expert's result, DeepSeek-style) is added in finalize."""
-        if not self._prepared:
+        if self.weights is None:
             raise MoEConfigError("FusedMoE has no weights; call load_weights or load_checkpoint first")
         # the layer's own argument names and sizes; the kernel checks hidden again under its own name
         check_hidden(self.problem, self.device, hidden_states, shared_output, name="hidden_states", owner="layer")
         self._check_router_logits(router_logits, hidden_states)
-        kernel = self.kernel_for(hidden_states.shape[0])
-        prepared = self._prepared[id(kernel)]
-        if kernel.routes_in_kernel(self.router):  # e.g. trtllm-gen routes from the logits itself
-            return kernel.forward_logits(hidden_states, router_logits, self.router, prepared, shared_output=shared_output)
-        return kernel.forward(hidden_states, self.router(router_logits), prepared, validate=False,
-                              shared_output=shared_output)
+        bucket = self._bucket(hidden_states.shape[0])
+        kernel = self._bucket_kernels[bucket]
+        if self._routes_in_kernel[bucket]:  # e.g. trtllm-gen routes from the logits itself
+            return kernel.forward_logits(hidden_states, router_logits, self.router, shared_output=shared_output)
+        return kernel.forward(hidden_states, self.router(router_logits), validate=False, shared_output=shared_output)
 
     def _check_router_logits(self, router_logits: torch.Tensor, hidden_states: torch.Tensor) -> None:
         p, tokens = self.problem, hidden_states.shape[0]

@@ -159,7 +159,8 @@ def compare_on_rank(rank: int, world: int, problem: MoEProblem, prepare_finalize
     # sharded: this rank's experts and tokens only
     kernel = ModularKernel(get_prepare_finalize(prepare_finalize)(sharded, **pf_options),
                            get_experts(experts)(sharded), device=device)
-    out = kernel.forward(*inputs[rank], kernel.experts.prepare_weights(shard_weights(weights, sharded)))
+    kernel.load(shard_weights(weights, sharded))
+    out = kernel.forward(*inputs[rank])
     return out, truth[start:start + tokens[rank]]
 
 
@@ -174,7 +175,8 @@ def _unsharded(problem: MoEProblem, experts: str, weights: ExpertWeights, inputs
     standard = ActivationFormat.STANDARD in experts_cls.capabilities.formats
     kernel = ModularKernel(get_prepare_finalize("local" if standard else "batched")(whole), experts_cls(whole),
                            device=device)
-    return kernel.forward(hidden, topk, kernel.experts.prepare_weights(weights))
+    kernel.load(weights)
+    return kernel.forward(hidden, topk)
 
 
 # --- the demo --------------------------------------------------------------------------------------

@@ -149,7 +149,8 @@ def _probe_shapes(rank: int, world: int) -> dict:
     batched = BatchedAllToAllPrepareFinalize(problem)
     locked = ModularKernel(batched, ReferenceExperts(problem))
     reserved = locked.reserve(lock=True)
-    out = locked.forward(hidden, topk, locked.experts.prepare_weights(weights))
+    locked.load(weights)
+    out = locked.forward(hidden, topk)
     return {"arrived": arrived, "bound": standard.dispatch_shape(16).max_rows,
             "batched_rows": batched.dispatch_shape(16).max_rows, "reserved": reserved,
             "locked_forward": tuple(out.shape), "describe": batched.describe(),

@@ -76,26 +76,32 @@ def qwen3_checkpoint(prefix: str = "", transpose_gate_up: bool = False) -> dict[
 
 @functools.cache
 def reference_kernel():
-    """A kernel (E=6, H=40, I=24), canonical weights for it, and inputs of M=5."""
+    """A kernel (E=6, H=40, I=24) with canonical weights loaded, those weights, and inputs of M=5."""
     p = make_problem(max_tokens=16)
     hidden, topk = random_inputs(p, 5)
-    return ModularKernel(LocalPrepareFinalize(p), ReferenceExperts(p)), random_weights(p), hidden, topk
+    kernel, weights = ModularKernel(LocalPrepareFinalize(p), ReferenceExperts(p)), random_weights(p)
+    kernel.load(weights)
+    return kernel, weights, hidden, topk
 
 
-_PREPARED = object()  # kernel_forward's default: the weights, prepared
-
-
-def kernel_forward(weights=_PREPARED, hidden=None, topk=None, **kwargs):
-    kernel, raw, default_hidden, default_topk = reference_kernel()
-    weights = kernel.experts.prepare_weights(raw) if weights is _PREPARED else weights
+def kernel_forward(hidden=None, topk=None, **kwargs):
+    kernel, _, default_hidden, default_topk = reference_kernel()
     hidden = default_hidden if hidden is None else hidden
-    return kernel.forward(hidden, default_topk if topk is None else topk, weights, **kwargs)
+    return kernel.forward(hidden, default_topk if topk is None else topk, **kwargs)
 
 
-def grouped_forward(weights):
-    kernel, raw, hidden, topk = reference_kernel()
-    grouped = ModularKernel(LocalPrepareFinalize(kernel.problem), TorchGroupedExperts(kernel.problem))
-    return grouped.forward(hidden, topk, raw if weights == "raw" else weights)
+def grouped_kernel() -> ModularKernel:
+    kernel = reference_kernel()[0]
+    return ModularKernel(LocalPrepareFinalize(kernel.problem), TorchGroupedExperts(kernel.problem))
+
+
+def experts_apply(experts, weights):
+    """``experts.apply`` on the reference kernel's inputs with ``weights``: where prepared weights are
+    handed in (a kernel prepares its own at ``load``)."""
+    _, _, hidden, topk = reference_kernel()
+    dispatched = Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=hidden, scale=None, fmt=QuantFormat.NONE), topk)
+    workspace = WorkspaceManager("cpu").take(experts.workspace_shapes(LocalPrepareFinalize(experts.problem).dispatch_shape(5)))
+    return experts.apply(dispatched, weights, workspace)
 
 
 def prepared_for_other_sizes():
@@ -198,18 +204,35 @@ CASES = [
     ("checkpoint of another layout", lambda: load_experts(
         {k.replace("gate_proj", "w1").replace("up_proj", "w3").replace("down_proj", "w2"): v for k, v in qwen3_checkpoint().items()},
         "qwen3", num_experts=E), ["'experts.0.gate_proj.weight'", "the keys look like the 'mixtral' layout"]),
-    # --- ModularKernel.forward / Experts.apply: unprepared or foreign weights gave AttributeError, weights
+    # --- ModularKernel.load / Experts.apply: unprepared or foreign weights gave AttributeError, weights
     #     of other sizes a matmul RuntimeError; a tuple for topk or a list for hidden an AttributeError
-    ("kernel unprepared ExpertWeights", lambda: kernel_forward(weights=reference_kernel()[1]),
+    ("kernel's experts given unprepared ExpertWeights", lambda: experts_apply(reference_kernel()[0].experts,
+                                                                              reference_kernel()[1]),
      ["weights", "reference", "DenseWeights", "unprepared ExpertWeights", "experts.prepare_weights(weights)"]),
-    ("kernel weights None", lambda: kernel_forward(weights=None), ["weights", "DenseWeights", "got None"]),
-    ("torch_grouped unprepared", lambda: grouped_forward("raw"), ["torch_grouped", "GroupedWeights", "unprepared ExpertWeights"]),
-    ("torch_grouped given DenseWeights", lambda: grouped_forward(ReferenceExperts(reference_kernel()[0].problem).prepare_weights(
+    ("kernel weights None", lambda: reference_kernel()[0].load(None), ["weights", "DenseWeights", "got None"]),
+    ("torch_grouped unprepared", lambda: experts_apply(grouped_kernel().experts, reference_kernel()[1]),
+     ["torch_grouped", "GroupedWeights", "unprepared ExpertWeights"]),
+    ("torch_grouped given DenseWeights", lambda: grouped_kernel().load(ReferenceExperts(reference_kernel()[0].problem).prepare_weights(
         reference_kernel()[1])), ["GroupedWeights", "got DenseWeights"]),
+    ("kernel given its own prepared weights", lambda: reference_kernel()[0].load(
+        reference_kernel()[0].experts.prepare_weights(reference_kernel()[1])),
+     ["kernel.load takes the canonical ExpertWeights", "got DenseWeights (prepared already"]),
+    ("kernel forward before load", lambda: grouped_kernel().forward(*reference_kernel()[2:]),
+     ["ModularKernel(local + torch_grouped) has no weights", "kernel.load(weights)"]),
+    ("kernel buckets out of range", lambda: grouped_kernel().load(reference_kernel()[1], buckets=(0, 4, 17)),
+     ["buckets must be token counts in [1, max_tokens=16]", "got [0, 17]"]),
+    ("kernel workspace a str", lambda: ModularKernel(LocalPrepareFinalize(reference_kernel()[0].problem),
+                                                     ReferenceExperts(reference_kernel()[0].problem), workspace="cpu"),
+     ["workspace must be a moe.WorkspaceManager", "got str"]),
+    ("kernel workspace on another device", lambda: ModularKernel(LocalPrepareFinalize(reference_kernel()[0].problem),
+                                                                 ReferenceExperts(reference_kernel()[0].problem),
+                                                                 workspace=WorkspaceManager("meta")),
+     ["workspace is on meta but the kernel is built for cpu"]),
     ("triton apply unprepared", triton_apply_unprepared, ["triton", "TritonWeights", "unprepared ExpertWeights", "prepare_weights"]),
     ("reference apply unprepared", lambda: ReferenceExperts(reference_kernel()[0].problem).apply(None, reference_kernel()[1], None),
      ["reference", "DenseWeights", "unprepared ExpertWeights"]),
-    ("kernel weights of other sizes", lambda: kernel_forward(weights=prepared_for_other_sizes()),
+    ("kernel's experts given weights of other sizes", lambda: experts_apply(reference_kernel()[0].experts,
+                                                                            prepared_for_other_sizes()),
      ["weights: prepared for E=6, H=80, I=24", "built for E=6, k=2, H=40, I=24", "prepare_weights"]),
     ("kernel topk a tuple", lambda: kernel_forward(topk=(reference_kernel()[3].ids, reference_kernel()[3].weights)),
      ["topk must be a moe.TopK", "got tuple"]),
@@ -347,7 +370,8 @@ def test_a_class_that_converts_weights_without_declaring_prepared_type():
     assert Unannotated.prepared_sizes is Experts.prepared_sizes  # ReferenceExperts' reads DenseWeights
     kernel, raw, hidden, topk = reference_kernel()
     unannotated = ModularKernel(LocalPrepareFinalize(kernel.problem), Unannotated(kernel.problem))
-    out = unannotated.forward(hidden, topk, unannotated.experts.prepare_weights(raw))
+    unannotated.load(raw)
+    out = unannotated.forward(hidden, topk)
     torch.testing.assert_close(out, kernel_forward())
 
 

@@ -103,7 +103,8 @@ def test_float32_loop_agrees_with_the_reference_experts(quant):
     weights = parallel_demo.random_layer(p, seed=0)
     hidden, topk = parallel_demo.random_tokens(p, 11, seed=1)
     kernel = ModularKernel(LocalPrepareFinalize(p), ReferenceExperts(p))
-    out = kernel.forward(hidden, topk, kernel.experts.prepare_weights(weights))
+    kernel.load(weights)
+    out = kernel.forward(hidden, topk)
     assert relative_error(out, dequantize_then_compute(p, weights, hidden, topk)) <= TOLERANCES[regime_for(p)]
 
 

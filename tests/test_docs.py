@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # each page, with a symbol and a path it names (proof that the parsers see the page's content)
 PAGES = {
     ROOT / "docs" / "writing-a-backend.md": ("moe.testing.check_experts", "examples/plugin_backend/"),
-    ROOT / "docs" / "architecture.md": ("moe.kernel.composition_problems", "examples/plugin_backend/"),
+    ROOT / "docs" / "architecture.md": ("moe.compose.composition_problems", "examples/plugin_backend/"),
     ROOT / "README.md": ("moe.SlowPathWarning", "moe/presets/*.yaml"),
 }
 # backticked dotted names that are not Python symbols: the entry-point group

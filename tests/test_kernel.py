@@ -17,6 +17,7 @@ from moe import (
     TorchGroupedExperts,
     UnsupportedError,
     WorkspaceError,
+    WorkspaceManager,
 )
 from moe.experts.base import Capabilities
 from moe.formats import ActivationFormat, ExpertsOutput, OutputKind
@@ -76,9 +77,9 @@ def test_workspace_bytes_is_exact_and_known_before_forward():
     assert expected == kernel.workspace_shapes(64).nbytes > 0
     assert kernel.workspace.reserved_bytes == 0
     assert kernel.reserve(lock=True) == expected
-    weights = kernel.experts.prepare_weights(random_weights(p))
+    kernel.load(random_weights(p))
     hidden, topk = random_inputs(p, 64)
-    kernel.forward(hidden, topk, weights)
+    kernel.forward(hidden, topk)
     assert kernel.workspace.reserved_bytes == expected  # nothing grew during the forward
 
 
@@ -88,7 +89,18 @@ def test_locked_workspace_too_small_names_caller_and_bytes():
     kernel.reserve(8, lock=True)
     hidden, topk = random_inputs(p, 64)
     with pytest.raises(WorkspaceError, match=r"ModularKernel\(local \+ torch_grouped\) needs \d+ bytes"):
-        kernel.forward(hidden, topk, kernel.experts.prepare_weights(random_weights(p)))
+        kernel.load(random_weights(p))
+        kernel.forward(hidden, topk)
+
+
+def test_a_load_that_fails_leaves_the_kernel_unloaded():
+    p = make_problem(max_tokens=64)
+    kernel = ModularKernel(LocalPrepareFinalize(p), TorchGroupedExperts(p))
+    kernel.reserve(8, lock=True)
+    with pytest.raises(WorkspaceError):
+        kernel.load(random_weights(p))
+    with pytest.raises(MoEConfigError, match=r"has no weights: call kernel.load"):
+        kernel.forward(*random_inputs(p, 3))
 
 
 @pytest.mark.parametrize("pf_cls", [LocalPrepareFinalize, BatchedPrepareFinalize])
@@ -96,7 +108,8 @@ def test_zero_tokens(pf_cls):
     p = make_problem()
     kernel = ModularKernel(pf_cls(p), ReferenceExperts(p))
     hidden, topk = random_inputs(p, 0)
-    out = kernel.forward(hidden, topk, kernel.experts.prepare_weights(random_weights(p)))
+    kernel.load(random_weights(p))
+    out = kernel.forward(hidden, topk)
     assert out.shape == (0, p.hidden_size) and out.dtype == p.dtype
 
 
@@ -104,7 +117,8 @@ def _kernel_and_inputs(m=5):
     p = make_problem(max_tokens=16)
     kernel = ModularKernel(LocalPrepareFinalize(p), ReferenceExperts(p))
     hidden, topk = random_inputs(p, m)
-    return p, kernel, hidden, topk, kernel.experts.prepare_weights(random_weights(p))
+    kernel.load(random_weights(p))
+    return p, kernel, hidden, topk
 
 
 @pytest.mark.parametrize(
@@ -120,10 +134,10 @@ def _kernel_and_inputs(m=5):
     ],
 )
 def test_bad_inputs_raise_clear_errors(mutate, match):
-    _, kernel, hidden, topk, weights = _kernel_and_inputs()
+    _, kernel, hidden, topk = _kernel_and_inputs()
     hidden, topk = mutate(hidden, topk)
     with pytest.raises(MoEConfigError, match=match):
-        kernel.forward(hidden, topk, weights)
+        kernel.forward(hidden, topk)
 
 
 def test_batched_capacity_overflow_is_an_error():
@@ -133,7 +147,8 @@ def test_batched_capacity_overflow_is_an_error():
     ids = torch.tensor([[0, 1]] * 5, dtype=torch.int32)  # expert 0 gets 5 tokens, capacity 2
     topk = TopK(ids, torch.full((5, 2), 0.5))
     with pytest.raises(MoEConfigError, match="received 5 tokens but max_tokens_per_expert=2"):
-        kernel.forward(hidden, topk, kernel.experts.prepare_weights(random_weights(p)))
+        kernel.load(random_weights(p))
+        kernel.forward(hidden, topk)
 
 
 def test_batched_capacity_must_be_positive():
@@ -152,9 +167,9 @@ def test_local_rejects_expert_parallel_problem():
 
 
 def test_hidden_on_another_device_is_rejected():
-    _, kernel, hidden, topk, weights = _kernel_and_inputs()
+    _, kernel, hidden, topk = _kernel_and_inputs()
     with pytest.raises(MoEConfigError, match="hidden is on meta but the kernel was built for cpu"):
-        kernel.forward(hidden.to("meta"), topk, weights)
+        kernel.forward(hidden.to("meta"), topk)
 
 
 @pytest.mark.parametrize("pf_cls", [LocalPrepareFinalize, BatchedPrepareFinalize])
@@ -164,18 +179,18 @@ def test_shared_output_is_added_in_finalize(pf_cls, experts_cls):
     if pf_cls is BatchedPrepareFinalize and experts_cls is TorchGroupedExperts:
         pytest.skip("torch_grouped takes the standard format only")
     kernel = ModularKernel(pf_cls(p), experts_cls(p))
-    weights = kernel.experts.prepare_weights(random_weights(p))
+    kernel.load(random_weights(p))
     hidden, topk = random_inputs(p, 7)
     shared = torch.randn(7, p.hidden_size)
-    plain = kernel.forward(hidden, topk, weights)
-    fused = kernel.forward(hidden, topk, weights, shared_output=shared)
+    plain = kernel.forward(hidden, topk)
+    fused = kernel.forward(hidden, topk, shared_output=shared)
     torch.testing.assert_close(fused, plain + shared)
 
 
 def test_shared_output_must_match_hidden():
-    _, kernel, hidden, topk, weights = _kernel_and_inputs()
+    _, kernel, hidden, topk = _kernel_and_inputs()
     with pytest.raises(MoEConfigError, match=r"shared_output must match hidden: \[5, 40\]"):
-        kernel.forward(hidden, topk, weights, shared_output=torch.zeros(4, 40, dtype=hidden.dtype))
+        kernel.forward(hidden, topk, shared_output=torch.zeros(4, 40, dtype=hidden.dtype))
 
 
 def test_routed_scaling_factor_reaches_the_output_linearly():
@@ -225,18 +240,18 @@ def test_routing_fused_into_the_experts_matches_the_router_path():
 
     p = make_problem(dtype=torch.float32, quant="fp32")
     kernel = ModularKernel(LocalPrepareFinalize(p), _RoutesFromLogits(p))
-    weights = kernel.experts.prepare_weights(random_weights(p))
+    kernel.load(random_weights(p))
     hidden, logits = torch.randn(7, p.hidden_size), torch.randn(7, p.num_experts)
     softmax, gpt_oss = Router("softmax", 6, 2), Router("gpt_oss", 6, 2)
     assert kernel.routes_in_kernel(softmax) and not kernel.routes_in_kernel(gpt_oss)
     before = _RoutesFromLogits.calls
-    fused = kernel.forward_logits(hidden, logits, softmax, weights)
+    fused = kernel.forward_logits(hidden, logits, softmax)
     assert _RoutesFromLogits.calls == before + 1
-    torch.testing.assert_close(fused, kernel.forward(hidden, softmax(logits), weights))
-    kernel.forward_logits(hidden, logits, gpt_oss, weights)  # not declared: the Router runs here instead
+    torch.testing.assert_close(fused, kernel.forward(hidden, softmax(logits)))
+    kernel.forward_logits(hidden, logits, gpt_oss)  # not declared: the Router runs here instead
     assert _RoutesFromLogits.calls == before + 1
     with pytest.raises(MoEConfigError, match=r"router_logits must be \[M, num_experts\] = \[7, 6\]"):
-        kernel.forward_logits(hidden, logits[:, :5], softmax, weights)
+        kernel.forward_logits(hidden, logits[:, :5], softmax)
 
 
 def test_composition_checks_the_platform_the_kernel_runs_on(monkeypatch):
@@ -271,3 +286,41 @@ def test_composition_takes_a_simulated_platform():
     p = make_problem(dtype=torch.bfloat16, quant="bf16", hidden_size=128, intermediate_size=128)
     kernel = ModularKernel(LocalPrepareFinalize(p), FlashInferCutlassExperts(p), platform=Platform.preset("h100"))
     assert kernel.workspace_bytes(4) > 0
+
+
+def test_forward_looks_its_bucket_up_and_sizes_nothing(monkeypatch):
+    """After load, a forward only looks its bucket's views up: no half is asked for its shapes again."""
+    p = make_problem(dtype=torch.float32, quant="fp32", max_tokens=64)
+    weights = random_weights(p)
+    fresh = ModularKernel(LocalPrepareFinalize(p), TorchGroupedExperts(p))
+    fresh.load(weights)
+    kernel = ModularKernel(LocalPrepareFinalize(p), TorchGroupedExperts(p))
+    kernel.load(weights, buckets=(2, 8))
+    assert kernel.workspace.reserved_bytes == kernel.workspace_bytes(64)  # the largest bucket: max_tokens
+    for half, method in ((kernel.experts, "workspace_shapes"), (kernel.prepare_finalize, "workspace_shapes"),
+                         (kernel.prepare_finalize, "dispatch_shape")):
+        monkeypatch.setattr(half, method, lambda *a: pytest.fail(f"{method} asked on the hot path"))
+    for m in (0, 1, 2, 3, 8, 9, 64):
+        hidden, topk = random_inputs(p, m)
+        torch.testing.assert_close(kernel(hidden, topk), fresh(hidden, topk))
+
+
+def test_kernels_sharing_a_manager_take_their_views_again_when_it_grows():
+    p = make_problem(dtype=torch.float32, quant="fp32", max_tokens=64)
+    weights = random_weights(p)
+    manager = WorkspaceManager("cpu")
+    small = ModularKernel(LocalPrepareFinalize(dataclasses.replace(p, max_tokens=4)),
+                          ReferenceExperts(dataclasses.replace(p, max_tokens=4)), workspace=manager)
+    small.load(weights)
+    big = ModularKernel(LocalPrepareFinalize(p), TorchGroupedExperts(p), workspace=manager)
+    big.load(weights)
+    grown = manager.reserved_bytes
+    assert grown == big.workspace_bytes(64) > small.workspace_bytes(4)
+    hidden, topk = random_inputs(p, 3)
+    alone = ModularKernel(LocalPrepareFinalize(p), ReferenceExperts(p))
+    alone.load(weights)
+    torch.testing.assert_close(small(hidden, topk), alone(hidden, topk))
+    # its views now point into the manager's current buffer, not the one it replaced
+    view = small._sections(3)["experts"]["out"]
+    assert view.untyped_storage().data_ptr() == manager._buffer.untyped_storage().data_ptr()
+    assert manager.reserved_bytes == grown

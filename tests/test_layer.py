@@ -167,3 +167,24 @@ def test_workspace_is_reserved_at_load_and_does_not_grow():
     for m in (1, 7, 32):
         layer(torch.randn(m, H).to(torch.bfloat16), torch.randn(m, E))
     assert layer.kernel.workspace.reserved_bytes == reserved
+
+
+def test_what_each_bucket_runs_is_decided_at_construction(monkeypatch):
+    """Whether a bucket's kernel routes from the logits is decided once, not asked on every forward."""
+    from moe.kernel import ModularKernel
+
+    layer = FusedMoE(E, K, H, I, dtype=torch.float32, quant="fp32")
+    layer.load_weights(w13=torch.randn(E, 2 * I, H) / 8, w2=torch.randn(E, H, I) / 6)
+    x, logits = torch.randn(3, H), torch.randn(3, E)
+    before = layer(x, logits)
+    monkeypatch.setattr(ModularKernel, "routes_in_kernel", lambda self, router: pytest.fail("asked per forward"))
+    torch.testing.assert_close(layer(x, logits), before)
+
+
+def test_each_kernel_owns_its_prepared_weights():
+    layer = FusedMoE(E, K, H, I, dtype=torch.float32, quant="fp32", experts="reference")
+    with pytest.raises(MoEConfigError, match=r"has no weights: call kernel.load\(weights\)"):
+        layer.kernel.prepared_weights
+    layer.load_weights(w13=torch.randn(E, 2 * I, H) / 8, w2=torch.randn(E, H, I) / 6)
+    assert isinstance(layer.kernel.prepared_weights, layer.kernel.experts.prepared_type)
+    assert not hasattr(layer, "_prepared")

@@ -8,7 +8,7 @@ import torch
 
 from moe import ModularKernel, Platform
 from moe.experts.reference import ReferenceExperts
-from moe.kernel import composition_problems
+from moe.compose import composition_problems
 from moe.prepare_finalize import LocalPrepareFinalize
 from moe.quant import QuantFormat
 from moe.registry import experts_classes, prepare_finalize_classes
@@ -49,7 +49,7 @@ def _cases():
                         problem = make_problem(pair[0], quant=_scheme(pair), activation=act.value, has_bias=has_bias)
                         if ex_cls.check(problem, PLATFORM) or pf_cls.check(problem, PLATFORM):
                             continue
-                        if composition_problems(pf_cls(problem), ex_cls(problem), PLATFORM):
+                        if composition_problems(pf_cls, ex_cls, problem, PLATFORM):
                             continue
                         yield pytest.param(pf_name, ex_name, problem,
                                            id=f"{pf_name}-{ex_name}-{SCHEME_OF_PAIR[pair]}-{act.value}-bias{int(has_bias)}")
@@ -70,11 +70,11 @@ def test_pair_matches_reference(pf_name, experts_name, problem):
     kernel = ModularKernel(pf_cls(problem), ex_cls(problem))
     truth = ModularKernel(LocalPrepareFinalize(problem), ReferenceExperts(problem))
     weights = random_weights(problem)
-    prepared, ref_prepared = kernel.experts.prepare_weights(weights), truth.experts.prepare_weights(weights)
+    kernel.load(weights), truth.load(weights)
     for m in TOKENS:
         hidden, topk = random_inputs(problem, m)
-        out = kernel.forward(hidden, topk, prepared)
-        ref = truth.forward(hidden, topk, ref_prepared)
+        out = kernel.forward(hidden, topk)
+        ref = truth.forward(hidden, topk)
         assert out.shape == (m, problem.hidden_size) and out.dtype == problem.dtype
         if m:
             assert ref.abs().max() > 0, "reference output is all zeros: the comparison would prove nothing"
@@ -93,12 +93,13 @@ def test_expert_map_drops_remote_experts(experts_name, dtype):
     local_ids = [g for g, l in enumerate(expert_map) if l >= 0]
     cls = experts_classes()[experts_name]
     kernel = ModularKernel(LocalPrepareFinalize(sharded), cls(sharded))
-    prepared = kernel.experts.prepare_weights(full_weights.select_experts(local_ids))
+    kernel.load(full_weights.select_experts(local_ids))
     hidden, topk = random_inputs(full, 33)
-    out = kernel.forward(hidden, topk, prepared)
+    out = kernel.forward(hidden, topk)
     # truth: the full layer with the router weights of remote experts zeroed
     remote = torch.tensor([l < 0 for l in expert_map])[topk.ids.long()]
     masked = type(topk)(topk.ids, torch.where(remote, 0.0, topk.weights))
     truth = ModularKernel(LocalPrepareFinalize(full), ReferenceExperts(full))
-    ref = truth.forward(hidden, masked, truth.experts.prepare_weights(full_weights))
+    truth.load(full_weights)
+    ref = truth.forward(hidden, masked)
     assert_close_moe(out.float(), ref.float(), regime_for(full))

@@ -185,6 +185,19 @@ class BatchedReducedExperts(EinsumExperts):
     )
 
 
+class WholeViewExperts(EinsumExperts):
+    """Returns its whole output buffer: right only in views of exactly M rows, while a kernel hands
+    apply the views of M's token bucket (sized for the bucket's upper edge)."""
+
+    name = "toy_whole_view"
+
+    def apply(self, dispatched, weights, workspace):
+        y, here = self.slots(dispatched, weights)
+        out = workspace["out"]
+        out[: y.shape[0]].copy_(torch.where(here.unsqueeze(-1), y, 0.0))
+        return ExpertsOutput(OutputKind.PER_SLOT, out)
+
+
 class IgnoresKindPrepareFinalize(LocalPrepareFinalize):
     """Always weights the per-slot output, even when the experts already did."""
 
@@ -259,6 +272,13 @@ def test_returned_kind_must_match_the_declaration():
 def test_output_outside_the_workspace_is_caught():
     failures = _failures(AllocatingExperts, "output")
     assert "not a view inside one declared workspace buffer" in failures[0].message
+
+
+def test_views_of_a_larger_token_bucket_are_checked():
+    failures = _failures(WholeViewExperts, "output")
+    assert failures and all(0 < f.num_tokens < f.problem.max_tokens for f in failures)
+    assert "ExpertsOutput.out has shape" in failures[0].message
+    assert "in the views declared for" in failures[0].message and "as a kernel's bucket gives them" in failures[0].message
 
 
 def test_reading_an_unwritten_workspace_shows_as_nan():

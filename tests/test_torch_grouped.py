@@ -54,7 +54,8 @@ def _apply_poisoned(experts, prepared, hidden, topk):
 
 def _reference(problem, weights, hidden, topk):
     truth = ModularKernel(LocalPrepareFinalize(problem), ReferenceExperts(problem))
-    return truth.forward(hidden, topk, truth.experts.prepare_weights(weights))
+    truth.load(weights)
+    return truth.forward(hidden, topk)
 
 
 def test_prepare_weights_builds_the_expert_map_once():

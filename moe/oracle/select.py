@@ -3,13 +3,14 @@
     plan(problem, platform, policy)
       1. candidates   the registry's Experts and PrepareFinalize classes (decorator + entry points)
       2. checks       each class's ``check`` on the problem and platform, plus the policy's force/deny
-      3. pairs        every surviving (prepare/finalize, experts) pair that composes (kernel.composition_problems)
+      3. pairs        every surviving (prepare/finalize, experts) pair that composes (compose.composition_problems)
       4. ranking      per token bucket, by estimated time (moe.oracle.cost), then policy.prefer
       5. workspace    the max over the plan's kernels, each sized for the largest bucket it serves
 
-A pure function of its inputs: it never catches an exception to filter a candidate (only a plugin's
-check that raises becomes its reason: registry.checked_reasons), and a Plan holds every candidate
-exactly once -- chosen, viable, or rejected with all its reasons.
+A pure function of its inputs, which reads the classes' declarations only: it builds no instance and
+touches no device (``moe.build.build`` turns a plan into kernels). It never catches an exception to
+filter a candidate (only a plugin's check that raises becomes its reason: registry.checked_reasons), and
+a Plan holds every candidate exactly once -- chosen, viable, or rejected with all its reasons.
 """
 
 from __future__ import annotations
@@ -19,11 +20,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
-import torch
-
+from moe.compose import activation_quant, composition_problems
 from moe.errors import MoEConfigError, UnsupportedError
-from moe.formats import DispatchShape
-from moe.kernel import ModularKernel, activation_quant, composition_problems
 from moe.oracle.cost import Estimate, estimate_experts, estimate_transport
 from moe.oracle.policy import Policy
 from moe.oracle.profile import Profile, load_profiles
@@ -31,7 +29,6 @@ from moe.platform import Platform
 from moe.problem import MoEProblem
 from moe.quant import QuantFormat
 from moe.registry import checked_reasons, experts_classes, prepare_finalize_classes
-from moe.workspace import WorkspaceManager
 
 EXPERTS, PREPARE_FINALIZE = "experts", "prepare_finalize"
 
@@ -121,18 +118,6 @@ class Plan:
     def member_problem(self, pair: Pair) -> MoEProblem:
         """The problem a member kernel is built for: max_tokens = the largest bucket it serves."""
         return dataclasses.replace(self.problem, max_tokens=self.max_tokens_of(pair))
-
-    def build_kernels(self, device: torch.device | str = "cpu") -> dict[Pair, ModularKernel]:
-        """One ModularKernel per distinct pair, sharing one WorkspaceManager (so workspace = max)."""
-        manager = WorkspaceManager(device)
-        kernels = {}
-        for pair in self.pairs():
-            sub = self.member_problem(pair)
-            pf, experts = self.classes[PREPARE_FINALIZE][pair.prepare_finalize], self.classes[EXPERTS][pair.experts]
-            kernel = ModularKernel(pf(sub), experts(sub), device=device, platform=self.platform)
-            kernel.workspace = manager  # the members never run at once: one buffer serves them all
-            kernels[pair] = kernel
-        return kernels
 
     def explain(self) -> str:
         from moe.oracle.explain import render
@@ -228,26 +213,14 @@ def _raise_if_forced_unpaired(policy: Policy, unpaired: dict, platform: Platform
                     table[name])
 
 
-class _Declared:
-    """A class seen through its declarations, bound to a problem: what ``composition_problems`` reads
-    (name, format, capabilities, check, problem) without constructing it -- constructing an all-to-all
-    prepare/finalize is collective and needs the process group, which a simulated platform has not."""
-
-    def __init__(self, cls: type, problem: MoEProblem):
-        self.cls, self.problem = cls, problem
-
-    def __getattr__(self, name: str):
-        return getattr(self.cls, name)
-
-
 def _compose(problem: MoEProblem, classes: dict, reasons: dict) -> tuple[dict[Pair, tuple], dict]:
-    """{pair: (prepare/finalize, experts) declarations} for survivors that compose, and
+    """{pair: (prepare/finalize class, experts class)} for survivors that compose, and
     {kind: {name: reasons}} for survivors left without a partner."""
     alive = {kind: [n for n, r in reasons[kind].items() if not r] for kind in reasons}
-    experts = {n: _Declared(classes[EXPERTS][n], problem) for n in alive[EXPERTS]}
-    pfs = {n: _Declared(classes[PREPARE_FINALIZE][n], problem) for n in alive[PREPARE_FINALIZE]}
+    experts = {n: classes[EXPERTS][n] for n in alive[EXPERTS]}
+    pfs = {n: classes[PREPARE_FINALIZE][n] for n in alive[PREPARE_FINALIZE]}
     # each class was checked on the platform already: the pairs are checked for their declarations only
-    problems = {Pair(f, e): composition_problems(pfs[f], experts[e], None) for e in experts for f in pfs}
+    problems = {Pair(f, e): composition_problems(pfs[f], experts[e], problem, None) for e in experts for f in pfs}
     pairs = {pair: (pfs[pair.prepare_finalize], experts[pair.experts]) for pair, found in problems.items() if not found}
     unpaired: dict[str, dict[str, tuple[str, ...]]] = {EXPERTS: {}, PREPARE_FINALIZE: {}}
     for kind, names, other in ((EXPERTS, experts, "prepare/finalize"), (PREPARE_FINALIZE, pfs, "experts")):
@@ -264,7 +237,7 @@ def _compose(problem: MoEProblem, classes: dict, reasons: dict) -> tuple[dict[Pa
 
 def _rank(low: int, high: int, pairs: dict[Pair, tuple], problem: MoEProblem, platform: Platform, policy: Policy,
           profile: Profile) -> Bucket:
-    scored = [_score(pair, *halves, platform, high, profile) for pair, halves in pairs.items()]
+    scored = [_score(pair, *classes, problem, platform, high, profile) for pair, classes in pairs.items()]
     order = {pair: i for i, pair in enumerate(pairs)}  # registration order breaks ties
     ranking = sorted(scored, key=lambda s: (s.us, order[s.pair]))
     best = ranking[0].us
@@ -276,14 +249,14 @@ def _rank(low: int, high: int, pairs: dict[Pair, tuple], problem: MoEProblem, pl
     return Bucket(low, high, tuple(ranking))
 
 
-def _score(pair: Pair, pf: _Declared, experts: _Declared, platform: Platform, tokens: int,
+def _score(pair: Pair, pf_cls: type, experts_cls: type, problem: MoEProblem, platform: Platform, tokens: int,
            profile: Profile) -> Scored:
-    problem = experts.problem
-    quantizes = activation_quant(experts) is not QuantFormat.NONE  # prepare quantizes the activations
+    quantizes = activation_quant(experts_cls, problem) is not QuantFormat.NONE  # prepare quantizes the activations
     return Scored(
         pair,
         estimate_experts(pair.experts, problem, platform, tokens, profile),
-        estimate_transport(pair.prepare_finalize, pf.format, quantizes, problem, platform, tokens, profile),
+        estimate_transport(pair.prepare_finalize, pf_cls.transport.format, quantizes, problem, platform, tokens,
+                           profile),
     )
 
 
@@ -292,14 +265,13 @@ def _workspace_bytes(result: Plan) -> int:
 
 
 def _member_workspace_bytes(result: Plan, pair: Pair) -> int:
-    """Bytes of one member kernel's workspace, computed from shapes (nothing allocated).
+    """Bytes of one member kernel's workspace, from the classes' declared workspaces (nothing built).
 
-    Under expert parallelism building the prepare/finalize is collective, so only the experts' share is
-    counted, for the most rows any transport can deliver (every rank's max_tokens arriving here).
+    The prepare/finalize declares what it dispatches for the member's max_tokens and its own scratch
+    (under expert parallelism: every rank's max_tokens arriving here, its own buffers not counted); the
+    experts declare theirs for that dispatch.
     """
     sub = result.member_problem(pair)
     pf_cls, experts_cls = result.classes[PREPARE_FINALIZE][pair.prepare_finalize], result.classes[EXPERTS][pair.experts]
-    if sub.parallel.ep_size == 1:
-        return ModularKernel(pf_cls(sub), experts_cls(sub), platform=result.platform).workspace_bytes()
-    rows = sub.max_tokens * sub.parallel.ep_size
-    return experts_cls(sub).workspace_shapes(DispatchShape(pf_cls.format, rows)).nbytes
+    dispatch, own = pf_cls.declared_workspace(sub)
+    return own.nbytes + experts_cls.declared_workspace(sub, dispatch).nbytes

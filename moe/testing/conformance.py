@@ -27,7 +27,8 @@ from moe.activation import ActivationKind
 from moe.errors import MoEConfigError, UnsupportedError
 from moe.experts.base import ALL_DTYPES, Capabilities, Experts
 from moe.formats import ActivationFormat, OutputKind
-from moe.kernel import ModularKernel, composition_problems
+from moe.compose import composition_problems
+from moe.kernel import ModularKernel
 from moe.platform import Platform
 from moe.prepare_finalize.base import PrepareFinalize
 from moe.quant import SCHEME_PAIRS, QuantFormat
@@ -164,10 +165,11 @@ def _format_exclusion(experts_cls, case: ExclusionCase, result: CaseResult, fail
     if experts_cls.check(case.problem, None):
         result.runs = 0
         return result  # the base problem is not served at all: nothing to compose
-    pf = PREPARE_FINALIZE_FOR[case.format](case.problem)
+    pf_cls = PREPARE_FINALIZE_FOR[case.format]
+    pf = pf_cls(case.problem)
     # the declarations alone must refuse the format (on a CPU a CUDA-only class is refused for its
     # device too, which would hide a wrong format declaration)
-    if not composition_problems(pf, experts_cls(case.problem), None):
+    if not composition_problems(pf_cls, experts_cls, case.problem, None):
         fail(f"composing with {pf.name} ({case.format.value} format) passes the checks although the capabilities declare "
              f"formats {sorted(f.value for f in experts_cls.capabilities.formats)}")
         return result

@@ -23,6 +23,7 @@ from moe.prepare_finalize import LocalPrepareFinalize
 from moe.prepare_finalize.base import PrepareFinalize
 from moe.problem import MoEProblem
 from moe.router import TopK
+from moe.weights import ExpertWeights
 from moe.testing.tolerance import relative_error
 
 _OTHER_PER_SLOT = {OutputKind.PER_SLOT: OutputKind.PER_SLOT_WEIGHTED, OutputKind.PER_SLOT_WEIGHTED: OutputKind.PER_SLOT}
@@ -55,8 +56,8 @@ def output_kind_hint(pf: PrepareFinalize, output: ExpertsOutput, dispatched: Dis
             f"output is handed over as {output.kind.value}; declare output={other.value} (and return it)")
 
 
-def activation_hint(problem: MoEProblem, hidden: torch.Tensor, topk: TopK, ref_weights, out: torch.Tensor,
-                    bound: float) -> str | None:
+def activation_hint(problem: MoEProblem, hidden: torch.Tensor, topk: TopK, weights: ExpertWeights,
+                    out: torch.Tensor, bound: float) -> str | None:
     gated = problem.activation.is_gated
     for kind in ActivationKind:
         candidate = Activation.parse(kind)
@@ -64,7 +65,8 @@ def activation_hint(problem: MoEProblem, hidden: torch.Tensor, topk: TopK, ref_w
             continue
         other = replace(problem, activation=candidate)
         truth = ModularKernel(LocalPrepareFinalize(other), ReferenceExperts(other), device=hidden.device)
-        if within(out, truth.forward(hidden, topk, ref_weights, validate=False), bound):
+        truth.load(weights)
+        if within(out, truth.forward(hidden, topk, validate=False), bound):
             return (f"hint: the output matches the reference computed with activation {kind.value} "
                     f"instead of the problem's {problem.activation.name}")
     return None

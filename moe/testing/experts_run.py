@@ -10,6 +10,9 @@ Per case: construct, compose with the prepare/finalize of the case's format (``l
 3. finalize and compare with ``ModularKernel(LocalPrepareFinalize(p), ReferenceExperts(p))`` under the
    problem's tolerance regime (hints on failure).
 
+Once more at the smallest M > 0 below ``max_tokens``, with the shapes declared for ``max_tokens``: a
+kernel hands ``apply`` the views of M's token bucket, sized for its upper edge.
+
 At the largest M: two more runs must agree bit for bit when ``deterministic``; on CUDA, no device
 memory may be allocated outside the workspace, and when ``cuda_graph_safe`` no host sync may happen
 and the call must capture into a CUDA graph and replay to the same result.
@@ -80,6 +83,9 @@ class ExpertsRun:
         self._check_upper_bound()
         for m in self.case.token_counts:
             self._run_tokens(m)
+        smaller = [m for m in self.case.token_counts if 0 < m < self.problem.max_tokens]
+        if smaller and not self.result.failures:
+            self._run_tokens(min(smaller), bucket=self.problem.max_tokens)
         largest = max(self.case.token_counts)
         if largest and not self.result.failures:
             self._repeat_contracts(largest)
@@ -112,7 +118,8 @@ class ExpertsRun:
             return False
         self.truth = ModularKernel(LocalPrepareFinalize(p), ReferenceExperts(p), device=self.device)
         weights = random_weights(p, gen, self.device)
-        self.ref_weights = self.truth.experts.prepare_weights(weights)
+        self.truth.load(weights)
+        self.canonical = weights  # what the diagnoses load into reference kernels of nearby problems
         try:
             self.weights = experts.prepare_weights(weights)
         except Exception as error:  # noqa: BLE001
@@ -132,31 +139,33 @@ class ExpertsRun:
                           "and locked would not fit", m)
         self.result.runs += 1
 
-    def _dispatch(self, hidden: torch.Tensor, topk: TopK) -> _Attempt:
+    def _dispatch(self, hidden: torch.Tensor, topk: TopK, bucket: int | None = None) -> _Attempt:
+        """Prepared inputs, and a poisoned workspace declared for M (or for ``bucket`` tokens)."""
         pf, m = self.kernel.prepare_finalize, hidden.shape[0]
         pf_space = WorkspaceManager(self.device).take(pf.workspace_shapes(m), caller=pf.name)
         dispatched = pf.prepare(hidden, topk, self.kernel.quantize_to, pf_space)
-        shapes = self.kernel.experts.workspace_shapes(pf.dispatch_shape(m))
+        shapes = self.kernel.experts.workspace_shapes(pf.dispatch_shape(m if bucket is None else bucket))
         return _Attempt(dispatched, PoisonedWorkspace(shapes, self.device))
 
     def _apply(self, attempt: _Attempt) -> Any:
         return self.kernel.experts.apply(attempt.dispatched, self.weights, attempt.poisoned.workspace)
 
-    def _run_tokens(self, m: int) -> None:
+    def _run_tokens(self, m: int, bucket: int | None = None) -> None:
         hidden, topk = random_inputs(self.problem, m, seeded_generator(self.case.label, m), self.device)
-        ref = self.truth.forward(hidden, topk, self.ref_weights, validate=False)
+        ref = self.truth.forward(hidden, topk, validate=False)
         self.result.runs += 1
+        views = "" if bucket is None else f" (in the views declared for {bucket} tokens, as a kernel's bucket gives them)"
         try:
-            attempt = self._dispatch(hidden, topk)
+            attempt = self._dispatch(hidden, topk, bucket)
             attempt.output = self._apply(attempt)
         except Exception as error:  # noqa: BLE001
-            self.fail("apply", f"apply raised {diagnose.describe_exception(error)}", m)
+            self.fail("apply", f"apply raised {diagnose.describe_exception(error)}{views}", m)
             return
         for violation in attempt.poisoned.violations():
-            self.fail("workspace", f"apply wrote outside its declared workspace: {violation}", m)
+            self.fail("workspace", f"apply wrote outside its declared workspace: {violation}{views}", m)
         problems = self._output_problems(attempt)
         for problem in problems:
-            self.fail("output", problem, m)
+            self.fail("output", problem + views, m)
         if not problems:
             self._compare(attempt, hidden, topk, ref)
 
@@ -189,7 +198,7 @@ class ExpertsRun:
         hints = [
             diagnose.nan_hint(out),
             diagnose.output_kind_hint(pf, attempt.output, attempt.dispatched, topk, ref, self.tolerance.bound),
-            diagnose.activation_hint(self.problem, hidden, topk, self.ref_weights, out, self.tolerance.bound),
+            diagnose.activation_hint(self.problem, hidden, topk, self.canonical, out, self.tolerance.bound),
         ]
         self.fail("numerics", "\n".join([message] + [h for h in hints if h]), m)
 

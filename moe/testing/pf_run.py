@@ -71,13 +71,15 @@ class PrepareFinalizeRun:
             self.fail("construct", f"{self.cls.__name__}(problem) raised {diagnose.describe_exception(error)}")
             return False
         self.truth = ModularKernel(LocalPrepareFinalize(p), ReferenceExperts(p), device=self.device)
-        self.weights = self.truth.experts.prepare_weights(random_weights(p, seeded_generator(self.case.label), self.device))
+        weights = random_weights(p, seeded_generator(self.case.label), self.device)
+        self.truth.load(weights)
+        self.weights = self.kernel.experts.prepare_weights(weights)  # the reference twin runs by hand below
         return True
 
     def _run_tokens(self, m: int) -> None:
         pf, experts = self.kernel.prepare_finalize, self.kernel.experts
         hidden, topk = random_inputs(self.problem, m, seeded_generator(self.case.label, m), self.device)
-        ref = self.truth.forward(hidden, topk, self.weights, validate=False)
+        ref = self.truth.forward(hidden, topk, validate=False)
         poisoned = PoisonedWorkspace(pf.workspace_shapes(m), self.device)
         dispatched = pf.prepare(hidden, topk, self.kernel.quantize_to, poisoned.workspace)
         problems = self._dispatched_problems(dispatched, topk, m)

@@ -36,7 +36,8 @@ def test_torch_grouped_matches_reference_qwen3_shape(tokens, activation):
     logits = torch.randn(tokens, 128, generator=gen).cuda()
     out = layer(hidden, logits)
     truth = ModularKernel(LocalPrepareFinalize(p), ReferenceExperts(p), device="cuda")
-    ref = truth(hidden, layer.router(logits), truth.experts.prepare_weights(layer.weights))
+    truth.load(layer.weights)
+    ref = truth(hidden, layer.router(logits))
     assert_close_moe(out.float(), ref.float(), "bf16")
 
 
@@ -46,7 +47,8 @@ def test_batched_prepare_finalize_on_gpu():
     layer.load_weights(w13=torch.randn(16, 256, 256) / 16, w2=torch.randn(16, 256, 128) / 11)
     hidden, logits = torch.randn(64, 256).to("cuda", torch.bfloat16), torch.randn(64, 16).cuda()
     batched = ModularKernel(BatchedPrepareFinalize(p), ReferenceExperts(p), device="cuda")
-    out = batched(hidden, layer.router(logits), batched.experts.prepare_weights(layer.weights))
+    batched.load(layer.weights)
+    out = batched(hidden, layer.router(logits))
     assert_close_moe(out.float(), layer(hidden, logits).float(), "fp32")
 
 
@@ -75,7 +77,8 @@ def test_torch_grouped_runs_without_host_sync_and_replays_in_a_cuda_graph(tokens
     eager, error = cuda_checks.host_syncs(apply)
     assert error is None, f"apply synchronizes with the host: {error}"
     truth = ModularKernel(LocalPrepareFinalize(p), ReferenceExperts(p), device="cuda")
-    ref = truth(hidden, topk, truth.experts.prepare_weights(weights))
+    truth.load(weights)
+    ref = truth(hidden, topk)
     assert_close_moe(eager.float(), ref.float(), "bf16")
 
     def new_inputs():  # the graph reads the same tensors: new routing and activations in place
