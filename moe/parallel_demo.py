@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 from moe.errors import MoEConfigError, UnsupportedError
 from moe.kernel import ModularKernel
 from moe.parallel import local_expert_ids, shard_weights
+from moe.platform import Platform
 from moe.prepare_finalize import all_to_all  # noqa: F401 -- registers all_to_all, all_to_all_batched
 from moe.problem import MoEProblem, ParallelConfig
 from moe.quant import QuantFormat
@@ -136,9 +137,12 @@ def random_tokens(problem: MoEProblem, num_tokens: int, seed: int, router: Route
 def compare_on_rank(rank: int, world: int, problem: MoEProblem, prepare_finalize: str, experts: str,
                     tokens: Sequence[int], *, seed: int = 0, skew_to_rank: int | None = None,
                     expert_maps: list[tuple[int, ...]] | None = None, truth_experts: str = "reference",
-                    router: Router | None = None, device: str = "cpu",
+                    router: Router | None = None, device: str = "cpu", platform: Platform | None = None,
                     **pf_options: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sharded, unsharded)`` outputs for this rank's ``tokens[rank]`` tokens.
+
+    ``platform`` is what the sharded kernel is composed for (default: detected from ``device``); a test
+    that stands in for a GPU transport on a CPU passes the platform that transport needs.
 
     ``problem`` is the unsharded layer; the sharded one places experts contiguously, or by
     ``expert_maps[rank]``. The unsharded run uses ``truth_experts`` behind ``local`` (or ``batched``
@@ -158,7 +162,7 @@ def compare_on_rank(rank: int, world: int, problem: MoEProblem, prepare_finalize
     start = sum(tokens[:rank])
     # sharded: this rank's experts and tokens only
     kernel = ModularKernel(get_prepare_finalize(prepare_finalize)(sharded, **pf_options),
-                           get_experts(experts)(sharded), device=device)
+                           get_experts(experts)(sharded), device=device, platform=platform)
     out = kernel.forward(*inputs[rank], kernel.experts.prepare_weights(shard_weights(weights, sharded)))
     return out, truth[start:start + tokens[rank]]
 
@@ -228,7 +232,6 @@ def demo_pairs(problem: MoEProblem, experts: str | None) -> tuple[list[tuple[str
     experts cannot serve the problem.
     """
     from moe.formats import ActivationFormat, OutputKind
-    from moe.platform import Platform
     from moe.registry import get_experts
 
     platform = Platform.detect("cpu")
