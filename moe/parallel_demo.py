@@ -26,10 +26,10 @@ import torch.multiprocessing as mp
 
 from moe.errors import MoEConfigError
 from moe.kernel import ModularKernel
-from moe.parallel import local_expert_ids, shard_weights
 from moe.prepare_finalize import all_to_all  # noqa: F401 -- registers all_to_all, all_to_all_batched
 from moe.problem import MoEProblem, ParallelConfig
 from moe.router import Router, TopK
+from moe.sharding import local_expert_ids, shard_weights
 from moe.weights import ExpertWeights
 
 

@@ -11,15 +11,9 @@ import torch
 
 from moe import ExpertWeights, MoEProblem, ParallelConfig, Platform
 from moe.errors import MoEConfigError
-from moe.prepare_finalize.batched import batch_slots
-from moe.parallel import (
-    EPCapacity,
-    ExpertPlacement,
-    RowCodec,
-    local_expert_ids,
-    quantizes_before_sending,
-    shard_weights,
-)
+from moe.prepare_finalize._ep import EPCapacity, ExpertPlacement, RowCodec, quantizes_before_sending
+from moe.prepare_finalize.base import batch_slots
+from moe.sharding import local_expert_ids, shard_weights
 from moe.parallel_demo import launch_ranks, round_robin_maps
 from moe.prepare_finalize import LocalPrepareFinalize
 from moe.prepare_finalize.all_to_all import AllToAllPrepareFinalize, BatchedAllToAllPrepareFinalize

@@ -45,11 +45,12 @@ def _problem(quant: str, expert_map, **kwargs):
 def _apply_poisoned(experts, prepared, hidden, topk):
     """finalize(apply(...)) in a workspace of exactly the declared shapes, poisoned with NaN."""
     pf = LocalPrepareFinalize(experts.problem)
-    dispatched = pf.prepare(hidden, topk, QuantFormat.NONE, WorkspaceManager().take(pf.workspace_shapes(len(hidden))))
+    dispatched, route = pf.prepare(hidden, topk, QuantFormat.NONE,
+                                   WorkspaceManager().take(pf.workspace_shapes(len(hidden))))
     poisoned = PoisonedWorkspace(experts.workspace_shapes(DispatchShape(dispatched.format, dispatched.num_rows)))
     output = experts.apply(dispatched, prepared, poisoned.workspace)
     assert poisoned.violations() == [] and poisoned.holds(output.out)
-    return pf.finalize(output, dispatched, topk)
+    return pf.finalize(output, dispatched, route, topk)
 
 
 def _reference(problem, weights, hidden, topk):
@@ -88,9 +89,9 @@ def test_batched_prepare_copies_the_expert_map_once(monkeypatch):
     pf = BatchedPrepareFinalize(problem)
     hidden, topk = random_inputs(problem, 9)
     take = lambda: WorkspaceManager().take(pf.workspace_shapes(9))  # noqa: E731
-    first = pf.prepare(hidden, topk, QuantFormat.NONE, take())
+    first, _ = pf.prepare(hidden, topk, QuantFormat.NONE, take())
     monkeypatch.setattr(torch, "tensor", lambda *a, **k: pytest.fail("torch.tensor called on a later prepare"))
-    second = pf.prepare(hidden, topk, QuantFormat.NONE, take())
+    second, _ = pf.prepare(hidden, topk, QuantFormat.NONE, take())
     assert torch.equal(first.slot_rows, second.slot_rows)
     assert torch.equal(first.tokens_per_expert, second.tokens_per_expert)
 
