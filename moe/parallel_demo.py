@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 from moe.errors import MoEConfigError
 from moe.kernel import ModularKernel
+from moe.platform import Platform
 from moe.prepare_finalize import all_to_all  # noqa: F401 -- registers all_to_all, all_to_all_batched
 from moe.problem import MoEProblem, ParallelConfig
 from moe.router import Router, TopK
@@ -134,13 +135,14 @@ def random_tokens(problem: MoEProblem, num_tokens: int, seed: int, router: Route
 def compare_on_rank(rank: int, world: int, problem: MoEProblem, prepare_finalize: str, experts: str,
                     tokens: Sequence[int], *, seed: int = 0, skew_to_rank: int | None = None,
                     expert_maps: list[tuple[int, ...]] | None = None, truth_experts: str = "reference",
-                    router: Router | None = None, device: str = "cpu",
+                    router: Router | None = None, device: str = "cpu", platform: Platform | None = None,
                     **pf_options: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sharded, unsharded)`` outputs for this rank's ``tokens[rank]`` tokens.
 
     ``problem`` is the unsharded layer; the sharded one places experts contiguously, or by
     ``expert_maps[rank]``. The unsharded run uses ``truth_experts`` behind ``local`` (or ``batched``
-    for batched-only experts) on every rank's tokens at once.
+    for batched-only experts) on every rank's tokens at once. ``platform`` is what the sharded kernel is
+    composed for (default: the one detected for ``device``).
     """
     from moe.registry import get_experts, get_prepare_finalize
 
@@ -156,7 +158,7 @@ def compare_on_rank(rank: int, world: int, problem: MoEProblem, prepare_finalize
     start = sum(tokens[:rank])
     # sharded: this rank's experts and tokens only
     kernel = ModularKernel(get_prepare_finalize(prepare_finalize)(sharded, **pf_options),
-                           get_experts(experts)(sharded), device=device)
+                           get_experts(experts)(sharded), device=device, platform=platform)
     out = kernel.forward(*inputs[rank], kernel.experts.prepare_weights(shard_weights(weights, sharded)))
     return out, truth[start:start + tokens[rank]]
 
