@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe.bench import build_weights, median_ms  # noqa: E402
 from moe.kernel import ModularKernel  # noqa: E402
-from moe.parallel import shard_weights  # noqa: E402
+from moe.sharding import shard_weights  # noqa: E402
 from moe.parallel_demo import launch_ranks  # noqa: E402
 from moe.platform import Platform  # noqa: E402
 from moe.formats import ActivationFormat  # noqa: E402
@@ -117,7 +117,8 @@ def _measure(rank, world, preset, full, kernel, prepared, single, single_weights
     split = lambda prefix: {k[len(prefix):]: v for k, v in views.items() if k.startswith(prefix)}  # noqa: E731
     from moe.workspace import Workspace
 
-    dispatched = kernel.prepare_finalize.prepare(hidden, topk, kernel.quantize_to, Workspace(split("prepare_finalize.")))
+    dispatched, _ = kernel.prepare_finalize.prepare(hidden, topk, kernel.quantize_to,
+                                                    Workspace(split("prepare_finalize.")))
     experts_ms = median_ms(lambda: kernel.experts.apply(dispatched, prepared, Workspace(split("experts."))))
     dist.barrier()
     # one GPU, all experts, every rank's tokens

@@ -51,8 +51,8 @@ def timed_backend(name, problem, weights, preset, tokens, ceilings, log, tune=Tr
         inputs = make_inputs(preset, problem, m, 4, torch.device("cuda"))
         calls, manager, pf = [], WorkspaceManager("cuda"), LocalPrepareFinalize(problem)
         for hidden, topk in inputs:
-            dispatched = pf.prepare(hidden, topk, activation_quant(experts),
-                                    WorkspaceManager("cuda").take(pf.workspace_shapes(m)))
+            dispatched, _ = pf.prepare(hidden, topk, activation_quant(experts),
+                                       WorkspaceManager("cuda").take(pf.workspace_shapes(m)))
             workspace = manager.take(experts.workspace_shapes(DispatchShape(ActivationFormat.STANDARD, m)))
             calls.append(lambda d=dispatched, w=workspace: experts.apply(d, prepared, w))
         graphs = cls.capabilities.cuda_graph_safe

@@ -211,12 +211,13 @@ def backend_calls(cls, problem, weights, inputs, device, *, experts=None, prepar
         most = max(int(torch.bincount(t.ids.flatten().long(), minlength=problem.num_experts).max())
                    for _, t in inputs)
         prepare = BatchedPrepareFinalize(problem, max_tokens_per_expert=max(16, -(-most // 16) * 16))
+        prepare.load(device)
     manager = WorkspaceManager(device)
     fmt = activation_quant(experts)
     calls = []
     for hidden, topk in inputs:
         pf_ws = WorkspaceManager(device).take(prepare.workspace_shapes(tokens), prepare.name)
-        dispatched = prepare.prepare(hidden, topk, fmt, pf_ws)
+        dispatched, _ = prepare.prepare(hidden, topk, fmt, pf_ws)
         shapes = experts.workspace_shapes(DispatchShape(dispatched.format, dispatched.num_rows))
         workspace = manager.take(shapes, experts.name)
         calls.append(lambda d=dispatched, w=workspace: experts.apply(d, prepared, w))

@@ -1,6 +1,7 @@
 """ModularKernel: one PrepareFinalize composed with one Experts, checked when composed.
 
-    out = finalize(experts.apply(prepare(hidden, topk), weights, workspace), topk)
+    dispatched, route = prepare(hidden, topk)
+    out = finalize(experts.apply(dispatched, weights, workspace), dispatched, route, topk)
 
 Every contract between the two halves -- activation format, who quantizes, who applies the router
 weights and sums over k, the problem they were built for -- is checked in ``__init__`` and reported
@@ -15,11 +16,11 @@ import torch
 
 from moe.errors import MoEConfigError
 from moe.experts.base import Experts
-from moe.formats import ActivationFormat, Dispatched, OutputKind
+from moe.formats import ActivationFormat, OutputKind
 from moe.platform import Platform
 from moe.prepare_finalize.base import PrepareFinalize
 from moe.problem import MoEProblem
-from moe.quant import QuantFormat, QuantizedTensor
+from moe.quant import QuantFormat
 from moe.router import Router, TopK
 from moe.workspace import Workspace, WorkspaceManager, WorkspaceShapes
 
@@ -88,6 +89,7 @@ class ModularKernel:
         self.problem = experts.problem
         self.quantize_to = activation_quant(experts)
         self.workspace = WorkspaceManager(device)
+        prepare_finalize.load(self.workspace.device)  # the load step: its tables on this device
 
     def __repr__(self) -> str:
         return f"ModularKernel({self.prepare_finalize.name} + {self.experts.name})"
@@ -134,9 +136,9 @@ class ModularKernel:
         shapes = self.workspace_shapes(hidden.shape[0])
         views = self.workspace.take(shapes, caller=repr(self))
         pf_space, experts_space = _split(views, _PREPARE), _split(views, _EXPERTS)
-        dispatched = self.prepare_finalize.prepare(hidden, topk, self.quantize_to, pf_space)
+        dispatched, route = self.prepare_finalize.prepare(hidden, topk, self.quantize_to, pf_space)
         output = self.experts.apply(dispatched, weights, experts_space)
-        return self.prepare_finalize.finalize(output, dispatched, topk, shared_output)
+        return self.prepare_finalize.finalize(output, dispatched, route, topk, shared_output)
 
     __call__ = forward
 
@@ -167,11 +169,7 @@ class ModularKernel:
             )
         views = self.workspace.take(self.workspace_shapes(hidden.shape[0]), caller=repr(self))
         output = self.experts.apply_router_logits(hidden, router_logits, router, weights, _split(views, _EXPERTS))
-        # reduced output: finalize only copies it out (adding shared_output); it reads no routing
-        unrouted = Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=hidden, scale=None, fmt=QuantFormat.NONE),
-                              TopK(router_logits.new_zeros(hidden.shape[0], 0, dtype=torch.int32),
-                                   router_logits.new_zeros(hidden.shape[0], 0, dtype=torch.float32)))
-        return self.prepare_finalize.finalize(output, unrouted, unrouted.topk, shared_output)
+        return self.prepare_finalize.finalize_reduced(output.out, shared_output)
 
     def _check_hidden(self, hidden: torch.Tensor, shared_output: torch.Tensor | None) -> None:
         check_hidden(self.problem, self.workspace.device, hidden, shared_output)

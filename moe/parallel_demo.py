@@ -26,13 +26,13 @@ import torch.multiprocessing as mp
 
 from moe.errors import MoEConfigError, UnsupportedError
 from moe.kernel import ModularKernel
-from moe.parallel import local_expert_ids, shard_weights
 from moe.platform import Platform
 from moe.prepare_finalize import all_to_all  # noqa: F401 -- registers all_to_all, all_to_all_batched
 from moe.problem import MoEProblem, ParallelConfig
 from moe.quant import QuantFormat
 from moe.router import Router, TopK
 from moe.tolerance import relative_error, tolerance_for
+from moe.sharding import local_expert_ids, shard_weights
 from moe.weights import ExpertWeights
 
 
@@ -141,12 +141,10 @@ def compare_on_rank(rank: int, world: int, problem: MoEProblem, prepare_finalize
                     **pf_options: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sharded, unsharded)`` outputs for this rank's ``tokens[rank]`` tokens.
 
-    ``platform`` is what the sharded kernel is composed for (default: detected from ``device``); a test
-    that stands in for a GPU transport on a CPU passes the platform that transport needs.
-
     ``problem`` is the unsharded layer; the sharded one places experts contiguously, or by
     ``expert_maps[rank]``. The unsharded run uses ``truth_experts`` behind ``local`` (or ``batched``
-    for batched-only experts) on every rank's tokens at once.
+    for batched-only experts) on every rank's tokens at once. ``platform`` is what the sharded kernel is
+    composed for (default: the one detected for ``device``).
     """
     from moe.registry import get_experts, get_prepare_finalize
 

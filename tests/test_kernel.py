@@ -239,6 +239,30 @@ def test_routing_fused_into_the_experts_matches_the_router_path():
         kernel.forward_logits(hidden, logits[:, :5], softmax, weights)
 
 
+def test_routing_in_the_experts_finalizes_through_finalize_reduced(monkeypatch):
+    """forward_logits hands the experts' reduced ``[M, H]`` to finalize_reduced (adding shared_output
+    there): neither prepare nor finalize runs, so no stand-in Dispatched is made up for them."""
+    from moe import Router
+
+    p = make_problem(dtype=torch.float32, quant="fp32")
+    kernel = ModularKernel(LocalPrepareFinalize(p), _RoutesFromLogits(p))
+    weights = kernel.experts.prepare_weights(random_weights(p))
+    hidden, logits, shared = torch.randn(7, p.hidden_size), torch.randn(7, p.num_experts), torch.randn(7, p.hidden_size)
+    softmax = Router("softmax", 6, 2)
+    want = kernel.forward(hidden, softmax(logits), weights, shared_output=shared)
+    for name in ("prepare", "finalize"):
+        monkeypatch.setattr(LocalPrepareFinalize, name, lambda *a, **k: pytest.fail("called on the fused path"))
+    torch.testing.assert_close(kernel.forward_logits(hidden, logits, softmax, weights, shared_output=shared), want)
+
+
+def test_finalize_reduced_serves_one_rank():
+    from moe import ParallelConfig
+
+    sharded = dataclasses.replace(make_problem(), parallel=ParallelConfig(2, 0))
+    with pytest.raises(MoEConfigError, match="finalize_reduced serves one rank, not ep_size=2"):
+        LocalPrepareFinalize(sharded).finalize_reduced(torch.zeros(1, sharded.hidden_size, dtype=sharded.dtype))
+
+
 def test_composition_checks_the_platform_the_kernel_runs_on(monkeypatch):
     """Triton's CPU interpreter computes bfloat16 wrongly (values off by 1e10): a bf16 Triton kernel
     composed by hand on a CPU is refused with that reason instead of running."""

@@ -17,7 +17,7 @@ from moe.errors import MoEConfigError
 from moe.experts.base import Capabilities, Experts
 from moe.formats import ActivationFormat, ExpertsOutput, OutputKind
 from moe.prepare_finalize import LocalPrepareFinalize
-from moe.prepare_finalize.base import combine_slots
+from moe.prepare_finalize.combine import sum_over_k
 from moe.quant import QuantFormat
 from moe.testing import (
     PoisonedWorkspace,
@@ -190,10 +190,10 @@ class IgnoresKindPrepareFinalize(LocalPrepareFinalize):
 
     name = "toy_ignores_kind"
 
-    def finalize(self, output, dispatched, topk):
+    def finalize(self, output, dispatched, route, topk):
         if output.kind is OutputKind.REDUCED:
             return output.out.to(self.problem.dtype, copy=True)
-        return combine_slots(output.out, topk, OutputKind.PER_SLOT, self.problem.dtype)
+        return sum_over_k(output.out, topk.weights, OutputKind.PER_SLOT).to(self.problem.dtype)
 
 
 # --- the kit passes correct classes ------------------------------------------------------------------

@@ -26,7 +26,7 @@ from moe.experts._triton.align import align_block_size, align_block_size_referen
 from moe.experts._triton.align import workspace_buffers as align_buffers  # noqa: E402
 from moe.experts._triton.rows import (  # noqa: E402
     RowValidity,
-    combine_slots,
+    combine_slots_kernel,
     combine_slots_reference,
     fp8_scale_shape,
     quantize_fp8_rows,
@@ -194,7 +194,7 @@ def test_batched(quant, num_tokens):
     topk = make_topk(num_tokens, p)
     prepare = BatchedPrepareFinalize(p)
     ws = WorkspaceManager().take(prepare.workspace_shapes(num_tokens))
-    dispatched = prepare.prepare(x, topk, p.quant.activation, ws)
+    dispatched, _ = prepare.prepare(x, topk, p.quant.activation, ws)
     out = run_experts(TritonBatchedExperts(p), dispatched, weights).out
     ref = run_experts(ReferenceExperts(p), dispatched, weights).out
     counts = dispatched.tokens_per_expert.long()
@@ -266,7 +266,7 @@ def test_combine_matches_twin(with_map):
     expert_map = torch.tensor([0, 1, -1], dtype=torch.int32) if with_map else None
     if with_map:
         y[1::3] = float("nan")  # slots elsewhere hold garbage
-    out = combine_slots(y, weights, ids, expert_map, torch.empty(5, 40, dtype=torch.float16))
+    out = combine_slots_kernel(y, weights, ids, expert_map, torch.empty(5, 40, dtype=torch.float16))
     assert_close_moe(out.float(), combine_slots_reference(y, weights, ids, expert_map), "fp16")
 
 

@@ -42,7 +42,7 @@ from moe.experts.base import Capabilities, Experts
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
 from moe.platform import Platform
 from moe.problem import MoEProblem
-from moe.quant import QuantFormat, QuantizedTensor, quantize
+from moe.quant import QuantFormat, QuantizedTensor, quantize, row_layout
 from moe.registry import register_experts
 from moe.router import Router, TopK
 from moe.weights import ExpertWeights
@@ -135,14 +135,14 @@ class FlashInferTrtllmExperts(Experts):
     # --- workspace ---------------------------------------------------------------------------
     def workspace_shapes(self, dispatch: DispatchShape) -> WorkspaceShapes:
         rows, g, p = dispatch.max_rows, self.geometry, self.problem
-        probe = quantize(torch.ones(1, g.hidden_padded), p.quant.activation, "activation")
+        row = row_layout(p.quant.activation, g.hidden_padded, torch.float32)
         buffers = {"out": ((rows, g.hidden_padded), torch.bfloat16), "topk": ((rows, p.top_k), torch.int32)}
         if g.hidden_padded != g.hidden:
-            buffers["x"] = ((rows, probe.data.shape[-1]), probe.data.dtype)
-            if probe.scale is not None and probe.scale.dim():
-                buffers["x_scale"] = ((rows, probe.scale.shape[-1]), probe.scale.dtype)
+            buffers["x"] = ((rows, row.data_columns), row.data_dtype)
+            if row.scale_columns:
+                buffers["x_scale"] = ((rows, row.scale_columns), row.scale_dtype)
         if self.pair == (F.FP8_BLOCK, F.FP8_BLOCK):
-            buffers["x_scale_t"] = ((probe.scale.shape[-1] * rows,), torch.float32)
+            buffers["x_scale_t"] = ((row.scale_columns * rows,), torch.float32)
         if self.pair in ((F.FP8_TENSOR, F.FP8_TENSOR), (F.NVFP4, F.NVFP4)):
             for name in ("out1", "out1_gate", "out2"):
                 buffers[name] = ((p.local_num_experts,), torch.float32)

@@ -51,6 +51,7 @@ def device_reasons(platform: Platform) -> list[str]:
 @dataclass
 class _Attempt:
     dispatched: Dispatched
+    route: Any  # prepare's record of how the rows travelled, for finalize
     poisoned: PoisonedWorkspace
     output: Any = None
 
@@ -135,9 +136,9 @@ class ExpertsRun:
     def _dispatch(self, hidden: torch.Tensor, topk: TopK) -> _Attempt:
         pf, m = self.kernel.prepare_finalize, hidden.shape[0]
         pf_space = WorkspaceManager(self.device).take(pf.workspace_shapes(m), caller=pf.name)
-        dispatched = pf.prepare(hidden, topk, self.kernel.quantize_to, pf_space)
+        dispatched, route = pf.prepare(hidden, topk, self.kernel.quantize_to, pf_space)
         shapes = self.kernel.experts.workspace_shapes(pf.dispatch_shape(m))
-        return _Attempt(dispatched, PoisonedWorkspace(shapes, self.device))
+        return _Attempt(dispatched, route, PoisonedWorkspace(shapes, self.device))
 
     def _apply(self, attempt: _Attempt) -> Any:
         return self.kernel.experts.apply(attempt.dispatched, self.weights, attempt.poisoned.workspace)
@@ -181,14 +182,15 @@ class ExpertsRun:
 
     def _compare(self, attempt: _Attempt, hidden: torch.Tensor, topk: TopK, ref: torch.Tensor) -> None:
         pf, m = self.kernel.prepare_finalize, hidden.shape[0]
-        out = pf.finalize(attempt.output, attempt.dispatched, topk)
+        out = pf.finalize(attempt.output, attempt.dispatched, attempt.route, topk)
         err = relative_error(out.float(), ref.float())
         if err <= self.tolerance.bound:
             return
         message = f"output differs from the reference: relative error {err:.3e} exceeds the {self.tolerance}"
         hints = [
             diagnose.nan_hint(out),
-            diagnose.output_kind_hint(pf, attempt.output, attempt.dispatched, topk, ref, self.tolerance.bound),
+            diagnose.output_kind_hint(pf, attempt.output, attempt.dispatched, attempt.route, topk, ref,
+                                      self.tolerance.bound),
             diagnose.activation_hint(self.problem, hidden, topk, self.ref_weights, out, self.tolerance.bound),
         ]
         self.fail("numerics", "\n".join([message] + [h for h in hints if h]), m)
@@ -209,7 +211,7 @@ class ExpertsRun:
             self.fail("apply", f"a repeated apply raised {diagnose.describe_exception(error)}", m)
 
     def _final(self, attempt: _Attempt, topk: TopK) -> torch.Tensor:
-        return self.kernel.prepare_finalize.finalize(attempt.output, attempt.dispatched, topk)
+        return self.kernel.prepare_finalize.finalize(attempt.output, attempt.dispatched, attempt.route, topk)
 
     def _check_deterministic(self, first: torch.Tensor, second: torch.Tensor, m: int) -> None:
         self.result.runs += 1
