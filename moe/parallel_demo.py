@@ -31,8 +31,8 @@ from moe.prepare_finalize import all_to_all  # noqa: F401 -- registers all_to_al
 from moe.problem import MoEProblem, ParallelConfig
 from moe.quant import QuantFormat
 from moe.router import Router, TopK
-from moe.tolerance import relative_error, tolerance_for
 from moe.sharding import local_expert_ids, shard_weights
+from moe.tolerance import relative_error, tolerance_for
 from moe.weights import ExpertWeights
 
 
