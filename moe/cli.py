@@ -65,7 +65,15 @@ def _demo(a) -> int:
 def _backends_parser(sub) -> None:
     p = sub.add_parser("backends", help="print the support table generated from the capability declarations, "
                                         "with whether each backend can run on this machine")
-    p.set_defaults(func=lambda a: print(backends_table(_detected_platform())) or 0)
+    p.add_argument("--modes", action="store_true", help="add what each experts backend needs per quantization scheme")
+    p.set_defaults(func=_backends)
+
+
+def _backends(a) -> int:
+    print(backends_table(_detected_platform()))
+    if a.modes:
+        print("\n" + modes_table())
+    return 0
 
 
 def _detected_platform():
@@ -109,6 +117,32 @@ def backends_table(platform=None, *, experts=None, prepare_finalize=None, broken
         rows += [""] + _header(["plugin", "status"])
         rows += [_row([name, f"broken: {why}"]) for name, why in unregistered.items()]
     return "\n".join(rows)
+
+
+def modes_table(experts=None) -> str:
+    """A markdown table of every experts backend's modes (``Capabilities.modes``): per quantization
+    scheme, the kernel, architectures, activations, dtypes, biases, alignment and library features.
+    ``experts`` (name -> class) defaults to the registry's."""
+    from moe import registry
+    from moe.experts.base import Archs
+
+    experts = registry.experts_classes() if experts is None else experts
+    rows = _header(["experts", "scheme", "kernel", "SM", "activations", "dtypes", "bias", "alignment", "features"])
+    dtype_names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    for name, cls in experts.items():
+        for scheme, mode in sorted(cls.capabilities.modes.items(), key=lambda item: item[0].name):
+            dtypes = ", ".join(dtype_names.get(d, str(d)) for d in sorted(mode.dtypes, key=str))
+            rows.append(_row([name, scheme.name, mode.name or "-", "-" if mode.archs == Archs() else str(mode.archs),
+                              ", ".join(sorted(a.value for a in mode.activations)), dtypes,
+                              "yes" if mode.bias else "no", _alignment(mode), ", ".join(mode.features) or "-"]))
+    return "\n".join(rows)
+
+
+def _alignment(mode) -> str:
+    i_align = str(mode.i_align) if mode.i_align_nongated is None else f"{mode.i_align} (relu2: {mode.i_align_nongated})"
+    if (mode.h_align, mode.i_align, mode.i_align_nongated) == (1, 1, None):
+        return "-"
+    return f"H % {mode.h_align}, I % {i_align}" + (" (padded)" if mode.pads else "")
 
 
 def _header(names: list[str]) -> list[str]:

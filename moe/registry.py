@@ -88,9 +88,8 @@ def _all(values: Any, ok) -> bool:
 
 def _experts_problems(cls: type) -> list[str]:
     from moe.activation import ActivationKind
-    from moe.experts.base import Capabilities, Experts
+    from moe.experts.base import Capabilities, Experts, Mode
     from moe.formats import ActivationFormat, OutputKind
-    from moe.quant import QuantFormat
 
     if not (isinstance(cls, type) and issubclass(cls, Experts)):
         return ["it is not a subclass of moe.Experts"]
@@ -99,10 +98,10 @@ def _experts_problems(cls: type) -> list[str]:
         return ["it has no `capabilities` (a moe.Capabilities saying what it serves)"]
     if not isinstance(cap, Capabilities):
         return [f"`capabilities` must be a moe.Capabilities, not {type(cap).__name__}"]
-    is_pair = lambda v: (isinstance(v, tuple) and len(v) == 2  # noqa: E731
-                         and all(isinstance(q, QuantFormat) for q in v))
+    not_modes = [m for m in cap.modes.values() if not isinstance(m, Mode)]
+    if not_modes:  # the derived fields read the modes
+        return [f"capabilities.modes must map each QuantScheme to a moe.Mode (got {not_modes[0]!r})"]
     fields = (("formats", "ActivationFormat members", lambda v: isinstance(v, ActivationFormat)),
-              ("quant", "(weight, activation) pairs of QuantFormat", is_pair),
               ("activations", "ActivationKind members", lambda v: isinstance(v, ActivationKind)),
               ("devices", "device names (str)", lambda v: isinstance(v, str)),
               ("libraries", "library names (str)", lambda v: isinstance(v, str)))

@@ -18,7 +18,7 @@ from moe import (
     UnsupportedError,
     WorkspaceError,
 )
-from moe.experts.base import Capabilities
+from moe.experts.base import Capabilities, Mode
 from moe.formats import ActivationFormat, ExpertsOutput, OutputKind
 from moe.quant import QuantFormat
 from tests.helpers import make_problem, random_inputs, random_weights
@@ -40,8 +40,7 @@ def test_composition_reports_every_problem_at_once():
         name = "test_reduced_batched"
         capabilities = Capabilities(
             formats=frozenset({ActivationFormat.BATCHED}),
-            quant=frozenset({(QuantFormat.NONE, QuantFormat.NONE)}),
-            activations=ReferenceExperts.capabilities.activations,
+            modes=Mode().serving("unquantized"),
             output=OutputKind.REDUCED,
         )
 
@@ -200,8 +199,7 @@ class _RoutesFromLogits(ReferenceExperts):
     name = "test_routes_from_logits"
     capabilities = Capabilities(
         formats=frozenset({ActivationFormat.STANDARD}),
-        quant=frozenset({(QuantFormat.NONE, QuantFormat.NONE)}),
-        activations=ReferenceExperts.capabilities.activations,
+        modes=Mode().serving("unquantized"),
         output=OutputKind.REDUCED,
         routes_from_logits=frozenset({"softmax"}),
     )

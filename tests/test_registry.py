@@ -149,8 +149,8 @@ class _Experts(ReferenceExperts):
 @pytest.mark.parametrize("attr,value,problem", [
     ("capabilities", None, "`capabilities` must be a moe.Capabilities, not NoneType"),
     ("capabilities", ReferenceExperts.capabilities.__class__(
-        formats=frozenset({"standard"}), quant=ReferenceExperts.capabilities.quant,
-        activations=ReferenceExperts.capabilities.activations, output=ReferenceExperts.capabilities.output),
+        formats=frozenset({"standard"}), modes=ReferenceExperts.capabilities.modes,
+        output=ReferenceExperts.capabilities.output),
      "capabilities.formats must be a collection of ActivationFormat members (got frozenset({'standard'}))"),
 ])
 def test_register_experts_refuses_malformed_capabilities(fresh_registry, attr, value, problem):

@@ -14,7 +14,7 @@ import torch
 
 from moe.activation import ActivationKind
 from moe.errors import MoEConfigError
-from moe.experts.base import Capabilities, Experts
+from moe.experts.base import Capabilities, Experts, Mode
 from moe.formats import ActivationFormat, ExpertsOutput, OutputKind
 from moe.prepare_finalize import LocalPrepareFinalize
 from moe.prepare_finalize.combine import sum_over_k
@@ -40,8 +40,7 @@ class EinsumExperts(Experts):
     name = "toy_einsum"
     capabilities = Capabilities(
         formats=frozenset({ActivationFormat.STANDARD}),
-        quant=frozenset({NONE_PAIR}),
-        activations=frozenset(ActivationKind),
+        modes=Mode().serving(NONE_PAIR),
         output=OutputKind.PER_SLOT,
     )
 
@@ -102,8 +101,9 @@ class WrongActivationExperts(EinsumExperts):
 
 
 WrongActivationExperts.capabilities = Capabilities(
-    formats=frozenset({ActivationFormat.STANDARD}), quant=frozenset({NONE_PAIR}),
-    activations=frozenset({ActivationKind.SILU, ActivationKind.GELU}), output=OutputKind.PER_SLOT,
+    formats=frozenset({ActivationFormat.STANDARD}),
+    modes=Mode(activations=frozenset({ActivationKind.SILU, ActivationKind.GELU})).serving(NONE_PAIR),
+    output=OutputKind.PER_SLOT,
 )
 
 
@@ -180,8 +180,8 @@ class NoisyExperts(EinsumExperts):
 class BatchedReducedExperts(EinsumExperts):
     name = "toy_batched_reduced"
     capabilities = Capabilities(
-        formats=frozenset(ActivationFormat), quant=frozenset({NONE_PAIR}),
-        activations=frozenset({ActivationKind.SILU}), output=OutputKind.REDUCED,
+        formats=frozenset(ActivationFormat), modes=Mode(activations=frozenset({ActivationKind.SILU})).serving(NONE_PAIR),
+        output=OutputKind.REDUCED,
     )
 
 
@@ -307,8 +307,9 @@ def test_a_class_that_cannot_run_here_is_skipped_with_its_reasons():
     class GpuOnly(EinsumExperts):
         name = "toy_gpu_only"
         capabilities = Capabilities(
-            formats=frozenset({ActivationFormat.STANDARD}), quant=frozenset({NONE_PAIR}),
-            activations=frozenset({ActivationKind.SILU}), output=OutputKind.PER_SLOT, devices=frozenset({"cuda"}),
+            formats=frozenset({ActivationFormat.STANDARD}),
+            modes=Mode(activations=frozenset({ActivationKind.SILU})).serving(NONE_PAIR), output=OutputKind.PER_SLOT,
+            devices=frozenset({"cuda"}),
         )
 
     from moe.platform import Platform

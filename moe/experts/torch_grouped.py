@@ -29,13 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from moe.activation import ActivationKind
-from moe.experts.base import Capabilities, Experts
+from moe.experts.base import Capabilities, Experts, Mode
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
 from moe.platform import Platform
 from moe.prepare_finalize.combine import sum_over_k
 from moe.problem import MoEProblem
-from moe.quant import QuantFormat
 from moe.registry import register_experts
 from moe.weights import ExpertWeights
 from moe.workspace import Workspace, WorkspaceShapes
@@ -75,8 +73,7 @@ class TorchGroupedExperts(Experts):
     prepared_type = GroupedWeights
     capabilities = Capabilities(
         formats=frozenset({ActivationFormat.STANDARD}),
-        quant=frozenset({(QuantFormat.NONE, QuantFormat.NONE)}),
-        activations=frozenset(ActivationKind),
+        modes=Mode().serving("unquantized"),
         output=OutputKind.REDUCED,
         deterministic=True,
     )

@@ -3,8 +3,8 @@
     python -m moe.testing.docs            # rewrites the marked block of the page
     python -m moe.testing.docs --check    # exits 1 (and says so) when the committed block is stale
 
-The block between the markers is ``moe.cli.backends_table()`` restricted to the backends this package
-ships, without the "here" column: plugins installed in the environment and this machine's hardware are
+The block between the markers is ``moe.cli.backends_table()`` and ``moe.cli.modes_table()`` restricted to
+the backends this package ships, without the "here" column: plugins installed in the environment and this machine's hardware are
 left out, so the page does not depend on where it is generated. Run it with ``TRITON_INTERPRET``
 unset (the interpreter widens the Triton backends' declared devices); ``tests/test_docs.py`` does so in
 a clean subprocess.
@@ -22,14 +22,16 @@ PAGE = Path(__file__).resolve().parents[2] / "docs" / "writing-a-backend.md"
 
 
 def support_table() -> str:
-    """``moe.cli.backends_table()`` of the backends defined in the `moe` package itself: no plugin,
-    broken or not, and no "here" column, so the table is the same wherever it is generated."""
-    from moe.cli import backends_table
+    """``moe.cli.backends_table()`` and ``moe.cli.modes_table()`` of the backends defined in the `moe`
+    package itself: no plugin, broken or not, and no "here" column, so the tables are the same wherever
+    they are generated."""
+    from moe.cli import backends_table, modes_table
     from moe.registry import experts_classes, is_builtin, prepare_finalize_classes
 
     shipped = lambda table: {name: cls for name, cls in table.items() if is_builtin(cls)}  # noqa: E731
-    return backends_table(experts=shipped(experts_classes()), prepare_finalize=shipped(prepare_finalize_classes()),
-                          broken={})
+    experts = shipped(experts_classes())
+    support = backends_table(experts=experts, prepare_finalize=shipped(prepare_finalize_classes()), broken={})
+    return support + "\n\n" + modes_table(experts)
 
 
 def render(page: str, table: str) -> str:

@@ -1,6 +1,7 @@
 """Runs one conformance case of an Experts class: every token count, every contract.
 
-Per case: construct, compose with the prepare/finalize of the case's format (``local`` for standard,
+A case is a problem the class's modes declare served, so ``check(problem, None)`` refusing it is a
+failure (``mode``: the declaration is wrong); only what the platform lacks skips it. Per case: construct, compose with the prepare/finalize of the case's format (``local`` for standard,
 ``batched`` for batched), prepare random weights; check ``workspace_shapes`` is monotone up to
 ``max_tokens`` (what ``ModularKernel.reserve`` relies on); then per token count M:
 
@@ -17,7 +18,7 @@ and the call must capture into a CUDA graph and replay to the same result.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from moe.platform import Platform
 from moe.prepare_finalize import BatchedPrepareFinalize, LocalPrepareFinalize
 from moe.router import TopK
 from moe.testing import cuda_checks, diagnose
-from moe.testing.cases import Case, describe, problem_variants
+from moe.testing.cases import Case
 from moe.testing.inputs import random_inputs, random_weights, seeded_generator
 from moe.testing.poison import PoisonedWorkspace
 from moe.testing.report import CaseResult, Failure
@@ -73,9 +74,15 @@ class ExpertsRun:
 
     # --- orchestration ---------------------------------------------------------------------------
     def run(self) -> CaseResult:
+        refused = self.cls.check(self.problem, None)
+        if refused:
+            self.fail("mode", f"check() refuses a problem the capabilities' modes declare served: {'; '.join(refused)}; "
+                      "declare each mode as the class serves it (alignment, activations, dtypes, bias, expert layout)")
+            return self.result
         reasons = self.cls.check(self.problem, self.platform) + device_reasons(self.platform)
         if reasons:
-            return self._run_variant(reasons)
+            self.result.skipped = tuple(reasons)
+            return self.result
         if not self._build():
             return self.result
         self._check_upper_bound()
@@ -84,18 +91,6 @@ class ExpertsRun:
         largest = max(self.case.token_counts)
         if largest and not self.result.failures:
             self._repeat_contracts(largest)
-        return self.result
-
-    def _run_variant(self, reasons: list[str]) -> CaseResult:
-        """Runs the first nearby problem ``check`` accepts (see ``problem_variants``), else skips."""
-        if not device_reasons(self.platform):
-            for variant in problem_variants(self.cls.capabilities, self.problem):
-                if not self.cls.check(variant, self.platform):
-                    result = ExpertsRun(self.cls, replace(self.case, problem=variant), self.platform).run()
-                    result.notes.append(f"ran as {describe(variant)}: check() refused {describe(self.problem)} "
-                                        f"({'; '.join(reasons)})")
-                    return result
-        self.result.skipped = tuple(reasons)
         return self.result
 
     def _build(self) -> bool:

@@ -18,11 +18,10 @@ import torch
 
 from moe.activation import Activation, ActivationKind
 from moe.errors import UnsupportedError
-from moe.platform import Platform
 
 INSTALL_HINT = "pip install --no-deps flashinfer-python==0.7.2.post1 apache-tvm-ffi (see the Makefile)"
 
-# feature name -> (module, attribute). The names are what ModeSpec.features and Platform ask for.
+# feature name -> (module, attribute). The names are what Mode.features and Platform ask for.
 FEATURE_SOURCES = {
     "cutlass_fused_moe": ("flashinfer.fused_moe", "cutlass_fused_moe"),
     "cutlass_fused_moe_workspace_size": ("flashinfer.fused_moe", "cutlass_fused_moe_workspace_size"),
@@ -80,26 +79,6 @@ def flashinfer_moe_features() -> frozenset[str]:
         if hasattr(module, attribute):
             found.add(feature)
     return frozenset(found)
-
-
-def platform_features(platform: Platform) -> frozenset[str]:
-    """The FlashInfer MoE features ``platform`` has: probed by ``Platform.detect`` (with
-    ``flashinfer_moe_features``), declared by a preset."""
-    if not platform.has_library("flashinfer"):
-        return frozenset()
-    return platform.features_of("flashinfer")
-
-
-def missing_feature_reasons(platform: Platform, features: tuple[str, ...]) -> list[str]:
-    """One reason per feature ``platform`` lacks (none when flashinfer itself is missing)."""
-    if not platform.has_library("flashinfer"):
-        return []
-    have = platform_features(platform)
-    missing = [f for f in features if f not in have]
-    if not missing:
-        return []
-    extra = " (CuTe-DSL entry points need nvidia-cutlass-dsl)" if set(missing) & _NEEDS_CUTE_DSL else ""
-    return [f"the installed flashinfer lacks {', '.join(missing)}{extra}"]
 
 
 # --- activations -------------------------------------------------------------------------------
