@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe.bench import build_weights, make_inputs, measure_ceilings, time_calls, traffic  # noqa: E402
+from moe.tools.bench import build_weights, make_inputs, measure_ceilings, time_calls, traffic  # noqa: E402
 from moe.formats import ActivationFormat, DispatchShape  # noqa: E402
 from moe.kernel import activation_quant  # noqa: E402
 from moe.platform import Platform  # noqa: E402

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from moe import bench, tune
+from moe.tools import bench, tune
 from moe.presets import load_preset
 from moe.router import TopK
 from moe.weights import ExpertWeights

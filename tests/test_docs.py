@@ -81,13 +81,13 @@ def _exists(folder: Path, path: str) -> bool:
 def test_support_table_is_generated_from_the_declarations():
     """Run like a user would, in a clean process (the Triton interpreter flag changes declarations)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "moe.testing.docs", "--check"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "moe.tools.docs", "--check"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr + done.stdout
 
 
 def test_stale_table_is_detected_and_rewritten(tmp_path):
-    from moe.testing import docs
+    from moe.tools import docs
 
     page = tmp_path / "page.md"
     page.write_text(f"intro\n{docs.BEGIN}\n| old | table |\n{docs.END}\nend\n")

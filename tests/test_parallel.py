@@ -20,7 +20,7 @@ from moe.parallel import (
     quantizes_before_sending,
     shard_weights,
 )
-from moe.parallel_demo import launch_ranks, round_robin_maps
+from moe.tools.ep_demo import launch_ranks, round_robin_maps
 from moe.prepare_finalize import LocalPrepareFinalize
 from moe.prepare_finalize.all_to_all import AllToAllPrepareFinalize, BatchedAllToAllPrepareFinalize
 from moe.quant import QuantFormat

@@ -185,7 +185,7 @@ def run_ep_demo(num_ranks: int, preset: str = "qwen3-30b-a3b", tokens: int = 37,
                 *, experts: str | None = None, timeout_s: float = 300.0) -> int:
     """Spawns ``num_ranks`` CPU processes (gloo); prints, per prepare/finalize x experts, the largest
     difference between the sharded and the unsharded layer, and the sharded layer's relative error
-    against `moe.demo.dequantize_then_compute` (a float32 loop no backend shares). Returns 0 when every
+    against `moe.tools.demo.dequantize_then_compute` (a float32 loop no backend shares). Returns 0 when every
     pair is within its bounds (sharded = unsharded exactly for ``reference`` behind ``all_to_all``), 1
     otherwise.
 
@@ -193,7 +193,7 @@ def run_ep_demo(num_ranks: int, preset: str = "qwen3-30b-a3b", tokens: int = 37,
     `DEMO_PAIRS`; UnsupportedError when it cannot serve the layer on this CPU. Of `DEMO_PAIRS`, a pair
     that cannot serve ``quant`` is reported as skipped, with its reasons.
     """
-    from moe.demo import CPU_LIMITS
+    from moe.tools.demo import CPU_LIMITS
     from moe.presets import load_preset
 
     layer = load_preset(preset).scaled(**CPU_LIMITS)
@@ -279,7 +279,7 @@ def _verdict(pair: tuple[str, str], per_rank: list[tuple[float, float, float]],
 
 def _demo_rank(rank: int, world: int, preset: str, tokens: int, quant: str | None,
                pairs: list[tuple[str, str]]) -> list[tuple[float, float, float]]:
-    from moe.demo import CPU_LIMITS, dequantize_then_compute
+    from moe.tools.demo import CPU_LIMITS, dequantize_then_compute
     from moe.presets import load_preset
 
     layer = load_preset(preset).scaled(**CPU_LIMITS)

@@ -108,7 +108,7 @@ class TuneCase:
 
 
 def make_case(preset, quant: str, tokens: int, weights, device) -> TuneCase:
-    from moe.bench import make_inputs
+    from moe.tools.bench import make_inputs
     from moe.experts.triton import TritonExperts
 
     problem = preset.problem(quant=quant, max_tokens=tokens)
@@ -174,7 +174,7 @@ def precompile_all(specs: list[tuple], pool: ProcessPoolExecutor, progress: Prog
 
 
 def best_tile(launches: dict, progress: Progress | None) -> tuple[TileConfig | None, float]:
-    from moe.bench import time_calls
+    from moe.tools.bench import time_calls
 
     best, best_us = None, float("inf")
     for tile, runs in launches.items():
@@ -196,7 +196,7 @@ def time_configs(case: TuneCase, configs: list[LaunchConfig], rounds: int = 3) -
     """Median microseconds of the whole experts stage (alignment, both GEMMs, combine) under each
     config, timed like ``python -m moe bench``; the configs take turns, ``rounds`` times, so a clock
     drift during the run hits them alike."""
-    from moe.bench import backend_calls, time_calls
+    from moe.tools.bench import backend_calls, time_calls
     from moe.experts._triton.config import ConfigTable
     from moe.experts.triton import TritonExperts
 
@@ -218,7 +218,7 @@ def tune_bucket(case: TuneCase, scheme: str, pool: ProcessPoolExecutor, device, 
     ``finalists`` best plans and the table's ``current`` one timed end to end (`time_configs`), which
     decides -- a tile timed alone can rank differently from the whole stage, and a re-tune should
     never replace a config by one that is slower where it counts."""
-    from moe.bench import time_calls
+    from moe.tools.bench import time_calls
 
     p = case.problem
     tokens = case.inputs[0][0].shape[0]
@@ -252,7 +252,7 @@ def tune_bucket(case: TuneCase, scheme: str, pool: ProcessPoolExecutor, device, 
 
 
 def tune_preset(preset_name: str, quant: str, tokens, out_dir: Path, workers: int) -> Path:
-    from moe.bench import build_weights
+    from moe.tools.bench import build_weights
     from moe.experts._triton.support import config_key
     from moe.presets import load_preset
 
@@ -277,7 +277,7 @@ def tune_preset(preset_name: str, quant: str, tokens, out_dir: Path, workers: in
 
 
 def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
-    from moe.cli_args import comma_separated, int_at_least, one_of
+    from moe.tools.cli_args import comma_separated, int_at_least, one_of
     from moe.presets import preset_names
     from moe.quant.scheme import SCHEME_NAMES
 
@@ -316,8 +316,8 @@ def tune_command(args: argparse.Namespace) -> int:
 
 
 def main_tune(argv: list[str] | None = None) -> int:
-    """``python -m moe.tune ARGS``: the same as ``python -m moe tune ARGS``, errors reported alike."""
-    from moe.cli import main
+    """``python -m moe.tools.tune ARGS``: the same as ``python -m moe tune ARGS``, errors reported alike."""
+    from moe.tools.cli import main
 
     return main(["tune", *(sys.argv[1:] if argv is None else argv)])
 

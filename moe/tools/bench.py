@@ -400,7 +400,7 @@ def plot(path: str, records: list[Record]) -> None:
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from moe.cli_args import comma_separated, int_at_least, one_of
+    from moe.tools.cli_args import comma_separated, int_at_least, one_of
     from moe.presets import preset_names
     from moe.quant.scheme import SCHEME_NAMES
 
@@ -465,8 +465,8 @@ def bench_command(args: argparse.Namespace) -> int:
 
 
 def main_bench(argv: list[str] | None = None) -> int:
-    """``python -m moe.bench ARGS``: the same as ``python -m moe bench ARGS``, errors reported alike."""
-    from moe.cli import main
+    """``python -m moe.tools.bench ARGS``: the same as ``python -m moe bench ARGS``, errors reported alike."""
+    from moe.tools.cli import main
 
     return main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
