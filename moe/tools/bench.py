@@ -141,19 +141,13 @@ def time_calls(calls: list, graphs: bool, budget_ms: float = 300.0) -> float:
 
 
 def build_weights(problem, device: torch.device):
-    """Random canonical weights of ``problem`` on ``device`` (scaled like a trained layer)."""
+    """Random canonical weights of ``problem`` (`moe.synthetic.random_dense`, seed 0), drawn on ``device``
+    in the problem's dtype: a large layer never passes through the host in float32."""
+    from moe.synthetic import random_dense
     from moe.weights import ExpertWeights
 
-    e, rows, h, i = problem.local_num_experts, problem.w13_rows, problem.hidden_size, problem.intermediate_size
-    gen = torch.Generator(device=device).manual_seed(0)
-    dense_dtype = problem.dtype if problem.dtype != torch.float32 else torch.float32
-    w13 = torch.randn(e, rows, h, device=device, dtype=dense_dtype, generator=gen).mul_(h**-0.5)
-    w2 = torch.randn(e, h, i, device=device, dtype=dense_dtype, generator=gen).mul_(i**-0.5)
-    biases = (None, None)
-    if problem.has_bias:
-        biases = (torch.randn(e, rows, device=device, generator=gen) * 0.1,
-                  torch.randn(e, h, device=device, generator=gen) * 0.1)
-    return ExpertWeights.from_dense(w13, w2, *biases, quant=problem.quant, dtype=problem.dtype)
+    dense = random_dense(problem, torch.Generator(device=device).manual_seed(0), device, problem.dtype)
+    return ExpertWeights.from_dense(**dense, quant=problem.quant, dtype=problem.dtype)
 
 
 def make_inputs(preset, problem, tokens: int, rotations: int, device: torch.device) -> list:

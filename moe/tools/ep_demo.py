@@ -31,6 +31,7 @@ from moe.prepare_finalize import all_to_all  # noqa: F401 -- registers all_to_al
 from moe.problem import MoEProblem, ParallelConfig
 from moe.quant import QuantFormat
 from moe.router import Router, TopK
+from moe.synthetic import random_dense
 from moe.tolerance import relative_error, tolerance_for
 from moe.weights import ExpertWeights
 
@@ -110,16 +111,11 @@ def round_robin_maps(num_experts: int, ep_size: int) -> list[tuple[int, ...]]:
 
 
 def random_layer(problem: MoEProblem, seed: int) -> ExpertWeights:
-    """Full ``[E, ...]`` weights, the same on every rank for the same seed."""
-    gen = torch.Generator().manual_seed(seed)
-    p = problem
-    dense = {"w13": torch.randn(p.num_experts, p.w13_rows, p.hidden_size, generator=gen) / p.hidden_size**0.5,
-             "w2": torch.randn(p.num_experts, p.hidden_size, p.intermediate_size, generator=gen)
-             / p.intermediate_size**0.5}
-    if p.has_bias:
-        dense["b13"] = 0.1 * torch.randn(p.num_experts, p.w13_rows, generator=gen)
-        dense["b2"] = 0.1 * torch.randn(p.num_experts, p.hidden_size, generator=gen)
-    return ExpertWeights.from_dense(**dense, quant=p.quant, dtype=p.dtype)
+    """Full ``[E, ...]`` weights (all E experts, whatever ``problem.parallel`` says), the same on every
+    rank for the same seed."""
+    unsharded = dataclasses.replace(problem, parallel=ParallelConfig())
+    dense = random_dense(unsharded, torch.Generator().manual_seed(seed))
+    return ExpertWeights.from_dense(**dense, quant=problem.quant, dtype=problem.dtype)
 
 
 def random_tokens(problem: MoEProblem, num_tokens: int, seed: int, router: Router | None = None,
