@@ -21,12 +21,14 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import statistics
+import time
 from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from moe.errors import MoEConfigError
+from moe.errors import MoEConfigError, UnsupportedError
 
 TB, TFLOP, GB = 1e12, 1e12, 10**9
 # importable module -> its distribution (for the version)
@@ -135,7 +137,7 @@ class Platform:
         """The real machine: CUDA device 0 if present (or the given device), else the CPU.
 
         Rates come from the preset whose name the device's name contains (or of its compute
-        capability's family, said so in ``rates_source``); ``measure_rates`` measures them instead.
+        capability's family, said so in ``rates_source``); `measure_rates` measures them instead.
         """
         device = torch.device(device) if device is not None else None
         if device is None:
@@ -145,11 +147,24 @@ class Platform:
         return _detect_cuda(device.index or 0)
 
     def measure_rates(self, device: torch.device | str = "cuda") -> "Platform":
-        """A copy with bandwidth and bf16 peak measured on ``device`` (a copy of 1 GiB; an 8192³ matmul)."""
-        bandwidth, flops = _measure_bandwidth(torch.device(device)), _measure_bf16_flops(torch.device(device))
-        scale = flops / self.peak_flops("bf16")  # other precisions keep their datasheet ratio to bf16
-        peak = tuple((p, r * scale) for p, r in self.peak)
-        return replace(self, memory_bandwidth=bandwidth, peak=peak, rates_source="measured on this device")
+        """A copy whose memory bandwidth and bf16 and fp8 peaks are measured on the CUDA ``device``.
+
+        The bandwidth is that of a device-to-device copy of 1 GiB (bytes read + written), the peaks
+        those of 8192³ matrix products. Precisions not measured keep their preset ratio to bf16, fp8
+        too where torch or the device has no fp8 product. Takes a few seconds; `moe.tools.bench`
+        calls it once per run. Raises UnsupportedError for a device that is not a CUDA GPU.
+        """
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise UnsupportedError(f"measure_rates: measures a CUDA GPU, and {device} is none")
+        bandwidth, bf16 = _measure_bandwidth(device), _measure_matmul_flops(device, torch.bfloat16)
+        scale = bf16 / self.peak_flops("bf16")
+        peak = {precision: rate * scale for precision, rate in self.peak} | {"bf16": bf16}
+        fp8 = _measure_matmul_flops(device, torch.float8_e4m3fn)
+        if fp8 is not None:
+            peak["fp8"] = fp8
+        return replace(self, memory_bandwidth=bandwidth, peak=tuple(peak.items()),
+                       rates_source=f"measured on {self.name} (bandwidth, bf16{', fp8' if fp8 else ''})")
 
 
 def _installed_libraries() -> frozenset[str]:
@@ -223,31 +238,50 @@ def preset_for_device(device_name: str, capability: tuple[int, int]) -> tuple[st
     return family, f"rates of the {family} preset (guessed from SM{capability[0]}{capability[1]})"
 
 
-def _median_seconds(fn, device: torch.device, runs: int = 10) -> float:
-    """Median time of ``fn`` over ``runs`` after one warm-up, timed with CUDA events."""
-    fn()
+def median_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of one ``fn()`` over ``reps`` calls, after ``warmup`` calls: timed with CUDA
+    events when a GPU is present (each call waits for the GPU), with the wall clock otherwise."""
+    for _ in range(warmup):
+        fn()
     times = []
-    for _ in range(runs):
+    for _ in range(reps):
+        if not torch.cuda.is_available():
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
-        torch.cuda.synchronize(device)
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def _measure_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Bytes read + written per second by a device-to-device copy."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), device)
+    return 2 * nbytes / (median_ms(lambda: dst.copy_(src), 20) * 1e-3)
 
 
-def _measure_bf16_flops(device: torch.device, n: int = 8192) -> float:
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    return 2 * n**3 / _median_seconds(lambda: a @ b, device)
+def _measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float | None:
+    """FLOP/s of an ``n``³ matrix product in ``dtype`` (bf16, or fp8 e4m3 through torch._scaled_mm
+    with bf16 output); None where torch or the device has no such product."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    product = lambda: a @ b  # noqa: E731
+    if dtype != torch.bfloat16:
+        if not hasattr(torch, "_scaled_mm"):
+            return None
+        a, b = a.to(dtype), b.to(dtype).t().contiguous().t()  # _scaled_mm wants b column-major
+        one = torch.ones((), device=device)
+        product = lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)  # noqa: E731
+        try:
+            product()
+        except (RuntimeError, TypeError):  # no fp8 matrix product on this GPU or torch build
+            return None
+    return 2 * n**3 / (median_ms(product, 10) * 1e-3)
 
 
 # --- presets -------------------------------------------------------------------------------------
