@@ -13,7 +13,8 @@ Hardware questions are asked through the named predicates here (``capability_at_
 ``has_library``, ``has_feature``, ``peak_flops``), never as ``major >= 9`` at call sites.
 
 Library features are probe results named ``"<library>.<entry point>"`` (``"flashinfer.trtllm_fp4_block_scale_moe"``):
-``detect()`` probes the installed packages; a preset declares what FlashInfer 0.7.2 provides.
+``detect()`` runs the probes the backends declare for the installed libraries, and a preset assumes
+the features and versions they declare (`LibrarySupport`, through `moe.registry.register_library`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import statistics
 import time
 from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
+from typing import Callable
 
 import torch
 
@@ -42,6 +44,40 @@ def missing_library_reason(library: str) -> str:
     extra = LIBRARY_EXTRAS.get(library)
     fix = f": pip install 'moe[{extra}]'" if extra else ""
     return f"needs library {library!r}, which is not installed{fix}"
+
+
+@dataclass(frozen=True)
+class LibrarySupport:
+    """What the backends that call ``library`` declare about it (through `moe.registry.register_library`).
+
+    ``probe()`` returns the short names of the features an installation provides (``"cutlass_fused_moe"``;
+    a platform records them as ``"<library>.<feature>"``); it imports Python modules at most -- no GPU
+    work, no JIT -- and runs only where the library is installed. A simulated platform with the library
+    (``Platform.preset``, ``with_libraries``) assumes ``assumed_features`` and ``assumed_version``: the
+    release the backends' declarations were written against.
+    """
+
+    library: str  # the importable module: "flashinfer", "triton", ...
+    probe: Callable[[], frozenset[str]] | None = None
+    assumed_features: frozenset[str] = frozenset()
+    assumed_version: str | None = None
+
+
+# library -> its declaration: filled by moe.registry.register_library as the backends load, read here
+_DECLARED_LIBRARIES: dict[str, LibrarySupport] = {}
+
+
+def declare_library(support: LibrarySupport) -> LibrarySupport:
+    """Records ``support`` (`moe.registry.register_library` is how backends call this); MoEConfigError
+    when another declaration holds that library: one module declares each, so they cannot disagree."""
+    existing = _DECLARED_LIBRARIES.get(support.library)
+    if existing is not None and existing != support:
+        raise MoEConfigError(f"library {support.library!r} is already declared ({existing}); "
+                             f"declare each library once, in the module that wraps it (got {support})")
+    _DECLARED_LIBRARIES[support.library] = support
+    return support
+
+
 # the precision a GEMM runs in -> the ones to fall back to when a platform has no rate for it
 _PRECISION_FALLBACK = {"fp4": ("fp8", "bf16"), "fp8": ("bf16",), "fp16": ("bf16",), "bf16": ("fp16",), "fp32": ("bf16",)}
 
@@ -109,10 +145,14 @@ class Platform:
         libraries = (self.libraries | set(add)) - set(remove)
         features = {f for f in self.features if f.split(".", 1)[0] in libraries}
         versions = {lib: v for lib, v in self.versions if lib in libraries}
+        declared = _DECLARED_LIBRARIES
         for lib in set(add) - self.libraries - set(remove):
-            features |= _assumed_features(lib)
-            if lib in _ASSUMED_VERSIONS:
-                versions[lib] = _ASSUMED_VERSIONS[lib]
+            support = declared.get(lib)
+            if support is None:
+                continue
+            features |= {f"{lib}.{f}" for f in support.assumed_features}
+            if support.assumed_version is not None:
+                versions[lib] = support.assumed_version
         return replace(
             self, libraries=frozenset(libraries), features=frozenset(features), versions=tuple(sorted(versions.items()))
         )
@@ -120,7 +160,8 @@ class Platform:
     # --- construction -------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str) -> "Platform":
-        """A simulated platform (``PRESET_NAMES``) with triton, flashinfer 0.7.2 and cutlass-dsl installed."""
+        """A simulated platform (``PRESET_NAMES``); a GPU one has triton, flashinfer and cutlass-dsl
+        installed, with the features and versions their backends declare (`with_libraries`)."""
         if name not in _PRESETS:
             raise MoEConfigError(f"platform: unknown preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
         spec = _PRESETS[name]
@@ -193,15 +234,14 @@ TRITON_INTERPRETER = "triton.interpreter"  # Triton runs kernels on the CPU (TRI
 
 
 def _probe_features(libraries: frozenset[str]) -> frozenset[str]:
-    """Imports FlashInfer's MoE modules (no JIT, no GPU work) and records which entry points exist;
-    notes whether Triton's CPU interpreter is on."""
+    """Runs the probe each installed library's backends declared; notes whether Triton's CPU
+    interpreter is on (how this machine runs Triton kernels: a fact of the platform, not a library)."""
     features = set()
     if "triton" in libraries and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         features.add(TRITON_INTERPRETER)
-    if "flashinfer" in libraries and importlib.util.find_spec("moe.experts._flashinfer") is not None:
-        from moe.experts._flashinfer.library import flashinfer_moe_features
-
-        features |= {f"flashinfer.{f}" for f in flashinfer_moe_features()}
+    for lib, support in _DECLARED_LIBRARIES.items():
+        if lib in libraries and support.probe is not None:
+            features |= {f"{lib}.{f}" for f in support.probe()}
     return frozenset(features)
 
 
@@ -285,18 +325,7 @@ def _measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 819
 
 
 # --- presets -------------------------------------------------------------------------------------
-# FlashInfer 0.7.2 (the version the capability facts are for) provides every MoE entry point that
-# moe.experts._flashinfer.library probes; a preset assumes all of them, CuTe-DSL ones included.
-_ASSUMED_VERSIONS = {"flashinfer": "0.7.2.post1", "triton": "3.6.0"}
 _GPU_LIBRARIES = ("triton", "flashinfer", "cutlass")
-
-
-def _assumed_features(library: str) -> frozenset[str]:
-    if library != "flashinfer" or importlib.util.find_spec("moe.experts._flashinfer") is None:
-        return frozenset()
-    from moe.experts._flashinfer.library import FEATURE_SOURCES
-
-    return frozenset(f"flashinfer.{f}" for f in FEATURE_SOURCES)
 
 
 def _peak(fp32: float, bf16: float, fp8: float | None = None, fp4: float | None = None) -> tuple:

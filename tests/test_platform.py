@@ -7,7 +7,8 @@ import torch
 
 import moe.platform as platform_module
 from moe import MoEConfigError, Platform, UnsupportedError
-from moe.platform import PRESET_NAMES, median_ms, preset_for_device
+from moe.platform import PRESET_NAMES, LibrarySupport, median_ms, preset_for_device
+from moe.registry import register_library
 
 
 def test_presets_cover_the_issue_list():
@@ -121,3 +122,23 @@ def test_median_ms_calls_warmup_then_reps_and_takes_the_median(monkeypatch):
     calls = []
     assert median_ms(lambda: calls.append(1), reps=3, warmup=2) == pytest.approx(2.0)
     assert len(calls) == 5
+
+
+def test_backends_declare_their_libraries_and_the_platform_reads_them(monkeypatch):
+    """FlashInfer's probe and what a preset assumes of it come from its backend's declaration
+    (moe.registry.register_library), not from the platform module."""
+    from moe.experts._flashinfer.library import FEATURE_SOURCES
+
+    b200 = Platform.preset("b200")
+    assert b200.features_of("flashinfer") == frozenset(FEATURE_SOURCES)
+    assert (b200.version_of("flashinfer"), b200.version_of("triton")) == ("0.7.2.post1", "3.6.0")
+    monkeypatch.setattr(platform_module, "_DECLARED_LIBRARIES", dict(platform_module._DECLARED_LIBRARIES))
+    somelib = LibrarySupport("somelib", probe=lambda: frozenset({"probed"}), assumed_features=frozenset({"fast"}),
+                             assumed_version="1.2")
+    register_library(somelib)
+    simulated = Platform.preset("cpu").with_libraries(add=("somelib",))
+    assert simulated.has_feature("somelib.fast") and simulated.version_of("somelib") == "1.2"
+    assert "somelib.probed" in platform_module._probe_features(frozenset({"somelib"}))
+    assert "somelib.probed" not in platform_module._probe_features(frozenset())  # probed only where installed
+    with pytest.raises(MoEConfigError, match=r"library 'somelib' is already declared .* declare each library once"):
+        register_library(LibrarySupport("somelib", assumed_version="2.0"))
