@@ -18,6 +18,7 @@ PAGES = {
     ROOT / "docs" / "writing-a-backend.md": ("moe.testing.check_experts", "examples/plugin_backend/"),
     ROOT / "docs" / "architecture.md": ("moe.kernel.composition_problems", "examples/plugin_backend/"),
     ROOT / "README.md": ("moe.SlowPathWarning", "moe/presets/*.yaml"),
+    ROOT / "benchmarks" / "README.md": ("moe.tools.bench_report.format_targets", "moe/tools/bench.py"),
 }
 # backticked dotted names that are not Python symbols: the entry-point group
 NOT_SYMBOLS = {"moe.backends"}
