@@ -38,11 +38,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe.bench import build_weights, median_ms  # noqa: E402
+from moe.tools.bench import build_weights  # noqa: E402
 from moe.kernel import ModularKernel  # noqa: E402
 from moe.sharding import shard_weights  # noqa: E402
-from moe.parallel_demo import launch_ranks  # noqa: E402
-from moe.platform import Platform  # noqa: E402
+from moe.tools.ep_demo import launch_ranks  # noqa: E402
+from moe.platform import Platform, median_ms  # noqa: E402
 from moe.formats import ActivationFormat  # noqa: E402
 from moe.prepare_finalize.batched import BatchedPrepareFinalize  # noqa: E402
 from moe.prepare_finalize.local import LocalPrepareFinalize  # noqa: E402

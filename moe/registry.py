@@ -9,6 +9,11 @@ A plugin package declares, in its pyproject.toml::
 Nothing else in `moe` lists the backends; the oracle, the CLI's support table and the test matrix
 iterate this registry.
 
+Backends also declare here what they know about the libraries they call (``register_library``): a
+probe that lists the features an installation has, and what a simulated platform with the library
+assumes (features, version). `moe.platform` keeps these declarations and `Platform` reads them, so the
+platform layer names no backend module and imports nothing above it.
+
 A broken plugin cannot take the library down: an entry point whose import raises (a registration
 refused for its declarations included) is skipped whole, and a plugin class whose ``check`` raises is
 rejected with that as its reason (``checked_reasons``); each gets one ``BrokenPluginWarning`` naming
@@ -23,6 +28,7 @@ from importlib.metadata import entry_points, packages_distributions
 from typing import Any, TypeVar
 
 from moe.errors import MoEConfigError
+from moe.platform import LibrarySupport, declare_library
 
 T = TypeVar("T", bound=type)
 
@@ -74,6 +80,15 @@ def register_prepare_finalize(cls: T) -> T:
     Raises MoEConfigError when ``cls`` is no PrepareFinalize subclass or its ``format``,
     ``quant_formats`` or ``implemented`` is missing or of the wrong type."""
     return _register(_PREPARE_FINALIZE, "PrepareFinalize", cls)
+
+
+def register_library(support: LibrarySupport) -> LibrarySupport:
+    """Declares what the backends know of ``support.library`` (a `moe.platform.LibrarySupport`): its
+    feature probe, and the features and version a simulated platform with it assumes. The built-in
+    backends declare theirs when `moe` is imported, a plugin when its entry point loads: a platform
+    detected before that (``Platform.detect`` caches) does not see the plugin's probe. MoEConfigError
+    when another declaration holds that library."""
+    return declare_library(support)
 
 
 # --- declarations --------------------------------------------------------------------------------

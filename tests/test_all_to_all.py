@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moe.errors import MoEConfigError
-from moe.parallel_demo import compare_on_rank, launch_ranks, round_robin_maps
+from moe.tools.ep_demo import compare_on_rank, launch_ranks, round_robin_maps
 from moe.testing import TOLERANCES, regime_for, relative_error
 from tests.helpers import make_problem
 
@@ -137,7 +137,7 @@ def _probe_shapes(rank: int, world: int) -> dict:
     from moe import ModularKernel, ParallelConfig
     from moe.experts.reference import ReferenceExperts
     from moe.sharding import shard_weights
-    from moe.parallel_demo import random_layer, random_tokens
+    from moe.tools.ep_demo import random_layer, random_tokens
     from moe.prepare_finalize.all_to_all import AllToAllPrepareFinalize, BatchedAllToAllPrepareFinalize
     from moe.quant import QuantFormat
 

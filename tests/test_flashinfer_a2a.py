@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from moe import ParallelConfig, Platform
 from moe.errors import MoEConfigError, UnsupportedError
-from moe.parallel_demo import compare_on_rank, launch_ranks, round_robin_maps
+from moe.tools.ep_demo import compare_on_rank, launch_ranks, round_robin_maps
 from moe.prepare_finalize import flashinfer_a2a
 from moe.prepare_finalize.flashinfer_a2a import FlashInferAllToAllPrepareFinalize, dispatch_bytes_per_token, payload_order
 from moe.testing import TOLERANCES, regime_for, relative_error

@@ -15,7 +15,7 @@ from moe.prepare_finalize import _ep
 from moe.prepare_finalize._ep import EPCapacity, ExpertPlacement, RowCodec, quantizes_before_sending
 from moe.prepare_finalize.base import batch_slots
 from moe.sharding import local_expert_ids, shard_weights
-from moe.parallel_demo import launch_ranks, round_robin_maps
+from moe.tools.ep_demo import launch_ranks, round_robin_maps
 from moe.prepare_finalize import LocalPrepareFinalize
 from moe.prepare_finalize.all_to_all import AllToAllPrepareFinalize, BatchedAllToAllPrepareFinalize
 from moe.quant import QuantFormat

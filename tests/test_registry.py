@@ -19,7 +19,7 @@ import torch
 
 from moe import FusedMoE, MoEConfigError, MoEProblem, Platform
 from moe import registry
-from moe.cli import backends_table, main
+from moe.tools.cli import backends_table, main
 from moe.experts.reference import ReferenceExperts
 from moe.experts.torch_grouped import TorchGroupedExperts
 from moe.oracle import plan

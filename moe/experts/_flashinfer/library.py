@@ -18,6 +18,8 @@ import torch
 
 from moe.activation import Activation, ActivationKind
 from moe.errors import UnsupportedError
+from moe.platform import Platform
+from moe.registry import LibrarySupport, register_library
 
 INSTALL_HINT = "pip install --no-deps flashinfer-python==0.7.2.post1 apache-tvm-ffi (see the Makefile)"
 
@@ -116,3 +118,10 @@ def autotuning(buckets: tuple[int, ...] | None = None) -> Iterator[None]:
     flashinfer = flashinfer_module("flashinfer")
     with flashinfer.autotune(True, tuning_buckets=buckets):
         yield
+
+
+# How a platform learns about FlashInfer: the probe above, and what a simulated GPU assumes -- FlashInfer
+# 0.7.2 (the release the capability facts are for) provides every entry point of FEATURE_SOURCES,
+# CuTe-DSL ones included.
+register_library(LibrarySupport("flashinfer", probe=flashinfer_moe_features,
+                                assumed_features=frozenset(FEATURE_SOURCES), assumed_version="0.7.2.post1"))

@@ -32,6 +32,7 @@ from moe.problem import MoEProblem, ParallelConfig
 from moe.quant import QuantFormat
 from moe.router import Router, TopK
 from moe.sharding import local_expert_ids, shard_weights
+from moe.synthetic import random_dense
 from moe.tolerance import relative_error, tolerance_for
 from moe.weights import ExpertWeights
 
@@ -111,16 +112,11 @@ def round_robin_maps(num_experts: int, ep_size: int) -> list[tuple[int, ...]]:
 
 
 def random_layer(problem: MoEProblem, seed: int) -> ExpertWeights:
-    """Full ``[E, ...]`` weights, the same on every rank for the same seed."""
-    gen = torch.Generator().manual_seed(seed)
-    p = problem
-    dense = {"w13": torch.randn(p.num_experts, p.w13_rows, p.hidden_size, generator=gen) / p.hidden_size**0.5,
-             "w2": torch.randn(p.num_experts, p.hidden_size, p.intermediate_size, generator=gen)
-             / p.intermediate_size**0.5}
-    if p.has_bias:
-        dense["b13"] = 0.1 * torch.randn(p.num_experts, p.w13_rows, generator=gen)
-        dense["b2"] = 0.1 * torch.randn(p.num_experts, p.hidden_size, generator=gen)
-    return ExpertWeights.from_dense(**dense, quant=p.quant, dtype=p.dtype)
+    """Full ``[E, ...]`` weights (all E experts, whatever ``problem.parallel`` says), the same on every
+    rank for the same seed."""
+    unsharded = dataclasses.replace(problem, parallel=ParallelConfig())
+    dense = random_dense(unsharded, torch.Generator().manual_seed(seed))
+    return ExpertWeights.from_dense(**dense, quant=problem.quant, dtype=problem.dtype)
 
 
 def random_tokens(problem: MoEProblem, num_tokens: int, seed: int, router: Router | None = None,
@@ -187,7 +183,7 @@ def run_ep_demo(num_ranks: int, preset: str = "qwen3-30b-a3b", tokens: int = 37,
                 *, experts: str | None = None, timeout_s: float = 300.0) -> int:
     """Spawns ``num_ranks`` CPU processes (gloo); prints, per prepare/finalize x experts, the largest
     difference between the sharded and the unsharded layer, and the sharded layer's relative error
-    against `moe.demo.dequantize_then_compute` (a float32 loop no backend shares). Returns 0 when every
+    against `moe.tools.demo.dequantize_then_compute` (a float32 loop no backend shares). Returns 0 when every
     pair is within its bounds (sharded = unsharded exactly for ``reference`` behind ``all_to_all``), 1
     otherwise.
 
@@ -195,7 +191,7 @@ def run_ep_demo(num_ranks: int, preset: str = "qwen3-30b-a3b", tokens: int = 37,
     `DEMO_PAIRS`; UnsupportedError when it cannot serve the layer on this CPU. Of `DEMO_PAIRS`, a pair
     that cannot serve ``quant`` is reported as skipped, with its reasons.
     """
-    from moe.demo import CPU_LIMITS
+    from moe.tools.demo import CPU_LIMITS
     from moe.presets import load_preset
 
     layer = load_preset(preset).scaled(**CPU_LIMITS)
@@ -280,7 +276,7 @@ def _verdict(pair: tuple[str, str], per_rank: list[tuple[float, float, float]],
 
 def _demo_rank(rank: int, world: int, preset: str, tokens: int, quant: str | None,
                pairs: list[tuple[str, str]]) -> list[tuple[float, float, float]]:
-    from moe.demo import CPU_LIMITS, dequantize_then_compute
+    from moe.tools.demo import CPU_LIMITS, dequantize_then_compute
     from moe.presets import load_preset
 
     layer = load_preset(preset).scaled(**CPU_LIMITS)

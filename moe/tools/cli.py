@@ -14,10 +14,10 @@ import sys
 
 import torch
 
-from moe.cli_args import int_at_least
-from moe.demo import run_demo
+from moe.tools.cli_args import int_at_least
+from moe.tools.demo import run_demo
 from moe.errors import MoEConfigError, MoEError, UnsupportedError
-from moe.oracle.cli import add_plan_parser
+from moe.tools.plan import add_plan_parser
 from moe.presets import preset_names
 from moe.quant.scheme import SCHEME_NAMES
 
@@ -57,7 +57,7 @@ def _demo(a) -> int:
         if given:
             raise MoEConfigError(f"{flag} does not go with --ep {a.ep}: the expert-parallel demo runs "
                                  f"{a.ep} CPU processes (gloo) on a scaled-down layer, M >= 1 tokens each")
-    from moe.parallel_demo import run_ep_demo
+    from moe.tools.ep_demo import run_ep_demo
 
     return run_ep_demo(a.ep, a.preset, a.tokens, a.quant, experts=a.experts)
 
@@ -198,9 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     _backends_parser(sub)
     _add(sub, "bench", "time experts backends on a GPU against the roofline (and torch_grouped)",
-         "moe.bench", "add_bench_arguments", "bench_command")
+         "moe.tools.bench", "add_bench_arguments", "bench_command")
     _add(sub, "tune", "search Triton launch configurations and write them as data files",
-         "moe.tune", "add_tune_arguments", "tune_command")
+         "moe.tools.tune", "add_tune_arguments", "tune_command")
     return parser
 
 
