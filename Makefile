@@ -43,7 +43,7 @@ test: $(TESTS)
 
 # regenerate the support table in docs/writing-a-backend.md from the capability declarations
 docs: $(BASE)
-	$(BIN)/python -m moe.testing.docs
+	$(BIN)/python -m moe.tools.docs
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

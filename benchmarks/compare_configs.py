@@ -5,7 +5,7 @@
 
 Each ``--config`` is a `LaunchConfig` as JSON (the tables' format; omitted tile fields take their
 defaults, an omitted ``gemm2`` copies ``gemm1``) or ``table`` for what the shipped table picks. The
-configs take turns, ``--rounds`` times (`moe.tune.time_configs`, the tuner's final round), so a hand
+configs take turns, ``--rounds`` times (`moe.tools.tune.time_configs`, the tuner's final round), so a hand
 choice can be checked against the table before it is committed.
 """
 
@@ -20,10 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe.bench import build_weights  # noqa: E402
+from moe.tools.bench import build_weights  # noqa: E402
 from moe.experts._triton.config import LaunchConfig  # noqa: E402
 from moe.presets import load_preset  # noqa: E402
-from moe.tune import make_case, time_configs  # noqa: E402
+from moe.tools.tune import make_case, time_configs  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,11 +38,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe.bench import build_weights, median_ms  # noqa: E402
+from moe.tools.bench import build_weights  # noqa: E402
 from moe.kernel import ModularKernel  # noqa: E402
-from moe.parallel import shard_weights  # noqa: E402
-from moe.parallel_demo import launch_ranks  # noqa: E402
-from moe.platform import Platform  # noqa: E402
+from moe.sharding import shard_weights  # noqa: E402
+from moe.tools.ep_demo import launch_ranks  # noqa: E402
+from moe.platform import Platform, median_ms  # noqa: E402
 from moe.formats import ActivationFormat  # noqa: E402
 from moe.prepare_finalize.batched import BatchedPrepareFinalize  # noqa: E402
 from moe.prepare_finalize.local import LocalPrepareFinalize  # noqa: E402
@@ -112,7 +112,7 @@ def _measure(rank, world, preset, full, kernel, single, name, pf_name, m, device
     ep_ms = median_ms(forward)
     # the experts' share: apply alone on rows dispatched once (prepare/finalize are collective)
     views = kernel.workspace.take_sections(kernel.workspace_shapes(m))
-    dispatched = kernel.prepare_finalize.prepare(hidden, topk, kernel.quantize_to, views["prepare_finalize"])
+    dispatched, _ = kernel.prepare_finalize.prepare(hidden, topk, kernel.quantize_to, views["prepare_finalize"])
     prepared = kernel.prepared_weights
     experts_ms = median_ms(lambda: kernel.experts.apply(dispatched, prepared, views["experts"]))
     dist.barrier()

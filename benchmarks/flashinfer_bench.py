@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe.bench import build_weights, make_inputs, measure_ceilings, time_calls, traffic  # noqa: E402
+from moe.tools.bench import build_weights, make_inputs, time_calls, traffic  # noqa: E402
 from moe.formats import ActivationFormat, DispatchShape  # noqa: E402
 from moe.compose import activation_quant  # noqa: E402
 from moe.platform import Platform  # noqa: E402
@@ -32,10 +32,10 @@ from moe.registry import get_experts  # noqa: E402
 from moe.workspace import WorkspaceManager  # noqa: E402
 
 
-def timed_backend(name, problem, weights, preset, tokens, ceilings, log, tune=True):
+def timed_backend(name, problem, weights, preset, tokens, platform, log, tune=True):
     """Records for one backend at every M (an empty list when it cannot serve)."""
     cls = get_experts(name)
-    reasons = cls.check(problem, Platform.detect("cuda"))
+    reasons = cls.check(problem, platform)
     if reasons:
         log(f"  {name}: skipped ({'; '.join(reasons)})")
         return []
@@ -51,8 +51,8 @@ def timed_backend(name, problem, weights, preset, tokens, ceilings, log, tune=Tr
         inputs = make_inputs(preset, problem, m, 4, torch.device("cuda"))
         calls, manager, pf = [], WorkspaceManager("cuda"), LocalPrepareFinalize(problem)
         for hidden, topk in inputs:
-            dispatched = pf.prepare(hidden, topk, activation_quant(cls, problem),
-                                    WorkspaceManager("cuda").take(pf.workspace_shapes(m)))
+            dispatched, _ = pf.prepare(hidden, topk, activation_quant(cls, problem),
+                                       WorkspaceManager("cuda").take(pf.workspace_shapes(m)))
             workspace = manager.take(experts.workspace_shapes(DispatchShape(ActivationFormat.STANDARD, m)))
             calls.append(lambda d=dispatched, w=workspace: experts.apply(d, prepared, w))
         graphs = cls.capabilities.cuda_graph_safe
@@ -61,8 +61,7 @@ def timed_backend(name, problem, weights, preset, tokens, ceilings, log, tune=Tr
         except RuntimeError as error:  # report, then time eagerly: a capture failure is a finding
             log(f"  {name} M={m}: CUDA-graph capture failed ({str(error)[:120]}); timing eagerly")
             graphs, us = False, time_calls(calls, False)
-        nbytes, flops = traffic(problem, weights, [t for _, t in inputs])
-        roofline = max(nbytes / ceilings.bandwidth, flops / ceilings.bf16_flops) * 1e6
+        roofline = traffic(problem, platform, [t for _, t in inputs]).us  # the bench's: moe.oracle.cost
         label = name if tune or not hasattr(experts, "warmup") else f"{name} (untuned)"
         records.append(dict(experts=label, quant=problem.quant_name, tokens=m, us=round(us, 2),
                             roofline_us=round(roofline, 2), roofline_fraction=round(roofline / us, 3), graphs=graphs))
@@ -99,14 +98,15 @@ def main(argv=None) -> int:
 
     tokens = [int(t) for t in args.tokens.split(",")]
     preset = load_preset(args.preset)
-    ceilings = measure_ceilings(torch.device("cuda"))
-    print(f"{ceilings.device}: {ceilings.bandwidth / 1e12:.2f} TB/s, bf16 {ceilings.bf16_flops / 1e12:.0f} TFLOP/s")
+    platform = Platform.detect("cuda").measure_rates("cuda")
+    print(f"{platform.name}: {platform.memory_bandwidth / 1e12:.2f} TB/s, "
+          f"bf16 {platform.peak_flops('bf16') / 1e12:.0f} TFLOP/s")
     records = []
     for quant in args.quant.split(","):
         problem = preset.problem(quant=quant, max_tokens=max(tokens))
         weights = build_weights(problem, torch.device("cuda"))
         for name in args.experts.split(","):
-            records += timed_backend(name, problem, weights, preset, tokens, ceilings, print, tune=not args.no_tune)
+            records += timed_backend(name, problem, weights, preset, tokens, platform, print, tune=not args.no_tune)
         del weights
         torch.cuda.empty_cache()
     print("\n| experts | quant | " + " | ".join(f"M={m}" for m in tokens) + " |")
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     for quant, text in cross.items():
         print(f"crossover {quant}: {text}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": ceilings.device, "preset": args.preset, "unit": "us",
+        Path(args.json).write_text(json.dumps({"device": platform.name, "preset": args.preset, "unit": "us",
                                                "records": records, "crossovers": cross}, indent=1))
     return 0
 

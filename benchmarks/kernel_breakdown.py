@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe.bench import backend_calls, build_weights, make_inputs  # noqa: E402
+from moe.tools.bench import backend_calls, build_weights, make_inputs  # noqa: E402
 from moe.presets import load_preset  # noqa: E402
 from moe.registry import get_experts  # noqa: E402
 

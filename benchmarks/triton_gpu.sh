@@ -19,12 +19,12 @@ for step in "$@"; do
     tests) timeout "${a:-300}" python3 -m pytest -q -m gpu tests/gpu/test_triton_gpu.py -x -p no:cacheprovider \
              >"$W/gpu_tests.log" 2>&1; echo "pytest rc=$?"; tail -15 "$W/gpu_tests.log" ;;
     bench) q=${a:-bf16}; p=${b:-$PRESETS}; t=${c:-$TOKENS}
-           timeout "${BENCH_LIMIT:-420}" python3 -m moe.bench --preset "$p" --quant "$q" --tokens "$t" \
+           timeout "${BENCH_LIMIT:-420}" python3 -m moe bench --preset "$p" --quant "$q" --tokens "$t" \
              --json "$W/bench_${q//,/_}.json" --plot "$W/bench_${q//,/_}.png" \
              --save-profile "$W/profile_${q//,/_}.json" --machine "$MACHINE" \
              >"$W/bench_${q//,/_}.md" 2>"$W/bench_${q//,/_}.log"; echo "bench rc=$?"
            cat "$W/bench_${q//,/_}.md"; tail -3 "$W/bench_${q//,/_}.log" ;;
-    tune) timeout "${TUNE_LIMIT:-400}" python3 -m moe.tune --preset "$a" --quant "${b:-bf16}" --tokens "${c:-$TOKENS}" \
+    tune) timeout "${TUNE_LIMIT:-400}" python3 -m moe tune --preset "$a" --quant "${b:-bf16}" --tokens "${c:-$TOKENS}" \
             --out "$W/configs" 2>"$W/tune_${a}_${b:-bf16}.log"; echo "tune rc=$?"
           grep -a "M=" "$W/tune_${a}_${b:-bf16}.log" | grep -av "\[" | tail -20; cp -r "$W/configs/." moe/experts/_triton/configs/ 2>/dev/null ;;
     pack) tar czf "$OUT/results.tgz" -C "$W" . && ls -la "$W" ;;

@@ -21,7 +21,7 @@ with warnings.catch_warnings():
 
 from moe.activation import Activation, ActivationKind  # noqa: E402
 from moe.errors import MoEConfigError, MoEError, SlowPathWarning, UnsupportedError, WorkspaceError
-from moe.experts import Capabilities, Experts, ReferenceExperts, TorchGroupedExperts
+from moe.experts import Capabilities, Experts, Mode, ReferenceExperts, TorchGroupedExperts
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
 from moe.kernel import ModularKernel
 from moe.layer import FusedMoE
@@ -52,6 +52,7 @@ __all__ = [
     "FusedMoE",
     "LocalPrepareFinalize",
     "MoEConfigError",
+    "Mode",
     "MoEError",
     "MoEProblem",
     "ModularKernel",

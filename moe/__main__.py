@@ -1,3 +1,3 @@
-from moe.cli import main
+from moe.tools.cli import main
 
 raise SystemExit(main())

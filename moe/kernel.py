@@ -2,7 +2,8 @@
 
     kernel = ModularKernel(prepare_finalize, experts, device=...)   # every contract checked (moe.compose)
     kernel.load(weights)       # once: experts.prepare_weights, warmup, the workspace views of each bucket
-    out = kernel(hidden, topk) # finalize(experts.apply(prepare(hidden, topk), prepared, workspace), topk)
+    out = kernel(hidden, topk) # dispatched, route = prepare(hidden, topk); then
+                               # finalize(experts.apply(dispatched, prepared, workspace), dispatched, route, topk)
 
 Every contract between the two halves -- activation format, who quantizes, who applies the router
 weights and sums over k, the problem they were built for -- is checked in ``__init__`` and reported
@@ -21,11 +22,10 @@ import torch
 from moe.compose import activation_quant, composition_problems
 from moe.errors import MoEConfigError
 from moe.experts.base import Experts
-from moe.formats import ActivationFormat, Dispatched, OutputKind
+from moe.formats import ActivationFormat, OutputKind
 from moe.platform import Platform
 from moe.prepare_finalize.base import PrepareFinalize
 from moe.problem import MoEProblem
-from moe.quant import QuantFormat, QuantizedTensor
 from moe.router import Router, TopK
 from moe.weights import ExpertWeights
 from moe.workspace import Workspace, WorkspaceLayout, WorkspaceManager
@@ -73,6 +73,7 @@ class ModularKernel:
         self._layouts: tuple[WorkspaceLayout, ...] = ()  # the workspace of each bucket
         self._views: tuple[dict[str, Workspace], ...] = ()  # and its views, taken at load
         self._generation = -1  # the manager's generation the views were taken from
+        prepare_finalize.load(self.workspace.device)  # the load step: its tables on this device
 
     def __repr__(self) -> str:
         return f"ModularKernel({self.prepare_finalize.name} + {self.experts.name})"
@@ -174,9 +175,9 @@ class ModularKernel:
         self._check_hidden(hidden, shared_output)
         self._check_topk(hidden, topk, validate)
         space = self._sections(hidden.shape[0])
-        dispatched = self.prepare_finalize.prepare(hidden, topk, self.quantize_to, space[_PREPARE])
+        dispatched, route = self.prepare_finalize.prepare(hidden, topk, self.quantize_to, space[_PREPARE])
         output = self.experts.apply(dispatched, self._prepared, space[_EXPERTS])
-        return self.prepare_finalize.finalize(output, dispatched, topk, shared_output)
+        return self.prepare_finalize.finalize(output, dispatched, route, topk, shared_output)
 
     __call__ = forward
 
@@ -202,11 +203,7 @@ class ModularKernel:
             )
         space = self._sections(hidden.shape[0])
         output = self.experts.apply_router_logits(hidden, router_logits, router, self._prepared, space[_EXPERTS])
-        # reduced output: finalize only copies it out (adding shared_output); it reads no routing
-        unrouted = Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=hidden, scale=None, fmt=QuantFormat.NONE),
-                              TopK(router_logits.new_zeros(hidden.shape[0], 0, dtype=torch.int32),
-                                   router_logits.new_zeros(hidden.shape[0], 0, dtype=torch.float32)))
-        return self.prepare_finalize.finalize(output, unrouted, unrouted.topk, shared_output)
+        return self.prepare_finalize.finalize_reduced(output.out, shared_output)
 
     def _check_hidden(self, hidden: torch.Tensor, shared_output: torch.Tensor | None) -> None:
         check_hidden(self.problem, self.workspace.device, hidden, shared_output)

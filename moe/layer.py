@@ -25,7 +25,7 @@ from moe.kernel import ModularKernel, check_hidden
 from moe.loaders import load_experts, requantize
 from moe.oracle import Plan, Policy, plan
 from moe.oracle.slow_path import slow_path
-from moe.parallel import shard_weights
+from moe.sharding import shard_weights
 from moe.platform import Platform
 from moe.problem import MoEProblem, ParallelConfig
 from moe.registry import experts_classes, get_experts

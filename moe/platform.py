@@ -13,7 +13,8 @@ Hardware questions are asked through the named predicates here (``capability_at_
 ``has_library``, ``has_feature``, ``peak_flops``), never as ``major >= 9`` at call sites.
 
 Library features are probe results named ``"<library>.<entry point>"`` (``"flashinfer.trtllm_fp4_block_scale_moe"``):
-``detect()`` probes the installed packages; a preset declares what FlashInfer 0.7.2 provides.
+``detect()`` runs the probes the backends declare for the installed libraries, and a preset assumes
+the features and versions they declare (`LibrarySupport`, through `moe.registry.register_library`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import statistics
+import time
 from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
+from typing import Callable
 
 import torch
 
-from moe.errors import MoEConfigError
+from moe.errors import MoEConfigError, UnsupportedError
 
 TB, TFLOP, GB = 1e12, 1e12, 10**9
 # importable module -> its distribution (for the version)
@@ -40,6 +44,40 @@ def missing_library_reason(library: str) -> str:
     extra = LIBRARY_EXTRAS.get(library)
     fix = f": pip install 'moe[{extra}]'" if extra else ""
     return f"needs library {library!r}, which is not installed{fix}"
+
+
+@dataclass(frozen=True)
+class LibrarySupport:
+    """What the backends that call ``library`` declare about it (through `moe.registry.register_library`).
+
+    ``probe()`` returns the short names of the features an installation provides (``"cutlass_fused_moe"``;
+    a platform records them as ``"<library>.<feature>"``); it imports Python modules at most -- no GPU
+    work, no JIT -- and runs only where the library is installed. A simulated platform with the library
+    (``Platform.preset``, ``with_libraries``) assumes ``assumed_features`` and ``assumed_version``: the
+    release the backends' declarations were written against.
+    """
+
+    library: str  # the importable module: "flashinfer", "triton", ...
+    probe: Callable[[], frozenset[str]] | None = None
+    assumed_features: frozenset[str] = frozenset()
+    assumed_version: str | None = None
+
+
+# library -> its declaration: filled by moe.registry.register_library as the backends load, read here
+_DECLARED_LIBRARIES: dict[str, LibrarySupport] = {}
+
+
+def declare_library(support: LibrarySupport) -> LibrarySupport:
+    """Records ``support`` (`moe.registry.register_library` is how backends call this); MoEConfigError
+    when another declaration holds that library: one module declares each, so they cannot disagree."""
+    existing = _DECLARED_LIBRARIES.get(support.library)
+    if existing is not None and existing != support:
+        raise MoEConfigError(f"library {support.library!r} is already declared ({existing}); "
+                             f"declare each library once, in the module that wraps it (got {support})")
+    _DECLARED_LIBRARIES[support.library] = support
+    return support
+
+
 # the precision a GEMM runs in -> the ones to fall back to when a platform has no rate for it
 _PRECISION_FALLBACK = {"fp4": ("fp8", "bf16"), "fp8": ("bf16",), "fp16": ("bf16",), "bf16": ("fp16",), "fp32": ("bf16",)}
 
@@ -107,10 +145,14 @@ class Platform:
         libraries = (self.libraries | set(add)) - set(remove)
         features = {f for f in self.features if f.split(".", 1)[0] in libraries}
         versions = {lib: v for lib, v in self.versions if lib in libraries}
+        declared = _DECLARED_LIBRARIES
         for lib in set(add) - self.libraries - set(remove):
-            features |= _assumed_features(lib)
-            if lib in _ASSUMED_VERSIONS:
-                versions[lib] = _ASSUMED_VERSIONS[lib]
+            support = declared.get(lib)
+            if support is None:
+                continue
+            features |= {f"{lib}.{f}" for f in support.assumed_features}
+            if support.assumed_version is not None:
+                versions[lib] = support.assumed_version
         return replace(
             self, libraries=frozenset(libraries), features=frozenset(features), versions=tuple(sorted(versions.items()))
         )
@@ -118,7 +160,8 @@ class Platform:
     # --- construction -------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str) -> "Platform":
-        """A simulated platform (``PRESET_NAMES``) with triton, flashinfer 0.7.2 and cutlass-dsl installed."""
+        """A simulated platform (``PRESET_NAMES``); a GPU one has triton, flashinfer and cutlass-dsl
+        installed, with the features and versions their backends declare (`with_libraries`)."""
         if name not in _PRESETS:
             raise MoEConfigError(f"platform: unknown preset {name!r}; choose one of {', '.join(PRESET_NAMES)}")
         spec = _PRESETS[name]
@@ -135,7 +178,7 @@ class Platform:
         """The real machine: CUDA device 0 if present (or the given device), else the CPU.
 
         Rates come from the preset whose name the device's name contains (or of its compute
-        capability's family, said so in ``rates_source``); ``measure_rates`` measures them instead.
+        capability's family, said so in ``rates_source``); `measure_rates` measures them instead.
         """
         device = torch.device(device) if device is not None else None
         if device is None:
@@ -145,11 +188,24 @@ class Platform:
         return _detect_cuda(device.index or 0)
 
     def measure_rates(self, device: torch.device | str = "cuda") -> "Platform":
-        """A copy with bandwidth and bf16 peak measured on ``device`` (a copy of 1 GiB; an 8192³ matmul)."""
-        bandwidth, flops = _measure_bandwidth(torch.device(device)), _measure_bf16_flops(torch.device(device))
-        scale = flops / self.peak_flops("bf16")  # other precisions keep their datasheet ratio to bf16
-        peak = tuple((p, r * scale) for p, r in self.peak)
-        return replace(self, memory_bandwidth=bandwidth, peak=peak, rates_source="measured on this device")
+        """A copy whose memory bandwidth and bf16 and fp8 peaks are measured on the CUDA ``device``.
+
+        The bandwidth is that of a device-to-device copy of 1 GiB (bytes read + written), the peaks
+        those of 8192³ matrix products. Precisions not measured keep their preset ratio to bf16, fp8
+        too where torch or the device has no fp8 product. Takes a few seconds; `moe.tools.bench`
+        calls it once per run. Raises UnsupportedError for a device that is not a CUDA GPU.
+        """
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise UnsupportedError(f"measure_rates: measures a CUDA GPU, and {device} is none")
+        bandwidth, bf16 = _measure_bandwidth(device), _measure_matmul_flops(device, torch.bfloat16)
+        scale = bf16 / self.peak_flops("bf16")
+        peak = {precision: rate * scale for precision, rate in self.peak} | {"bf16": bf16}
+        fp8 = _measure_matmul_flops(device, torch.float8_e4m3fn)
+        if fp8 is not None:
+            peak["fp8"] = fp8
+        return replace(self, memory_bandwidth=bandwidth, peak=tuple(peak.items()),
+                       rates_source=f"measured on {self.name} (bandwidth, bf16{', fp8' if fp8 else ''})")
 
 
 def _installed_libraries() -> frozenset[str]:
@@ -178,15 +234,14 @@ TRITON_INTERPRETER = "triton.interpreter"  # Triton runs kernels on the CPU (TRI
 
 
 def _probe_features(libraries: frozenset[str]) -> frozenset[str]:
-    """Imports FlashInfer's MoE modules (no JIT, no GPU work) and records which entry points exist;
-    notes whether Triton's CPU interpreter is on."""
+    """Runs the probe each installed library's backends declared; notes whether Triton's CPU
+    interpreter is on (how this machine runs Triton kernels: a fact of the platform, not a library)."""
     features = set()
     if "triton" in libraries and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         features.add(TRITON_INTERPRETER)
-    if "flashinfer" in libraries and importlib.util.find_spec("moe.experts._flashinfer") is not None:
-        from moe.experts._flashinfer.library import flashinfer_moe_features
-
-        features |= {f"flashinfer.{f}" for f in flashinfer_moe_features()}
+    for lib, support in _DECLARED_LIBRARIES.items():
+        if lib in libraries and support.probe is not None:
+            features |= {f"{lib}.{f}" for f in support.probe()}
     return frozenset(features)
 
 
@@ -223,46 +278,54 @@ def preset_for_device(device_name: str, capability: tuple[int, int]) -> tuple[st
     return family, f"rates of the {family} preset (guessed from SM{capability[0]}{capability[1]})"
 
 
-def _median_seconds(fn, device: torch.device, runs: int = 10) -> float:
-    """Median time of ``fn`` over ``runs`` after one warm-up, timed with CUDA events."""
-    fn()
+def median_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of one ``fn()`` over ``reps`` calls, after ``warmup`` calls: timed with CUDA
+    events when a GPU is present (each call waits for the GPU), with the wall clock otherwise."""
+    for _ in range(warmup):
+        fn()
     times = []
-    for _ in range(runs):
+    for _ in range(reps):
+        if not torch.cuda.is_available():
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
-        torch.cuda.synchronize(device)
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def _measure_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Bytes read + written per second by a device-to-device copy."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), device)
+    return 2 * nbytes / (median_ms(lambda: dst.copy_(src), 20) * 1e-3)
 
 
-def _measure_bf16_flops(device: torch.device, n: int = 8192) -> float:
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    return 2 * n**3 / _median_seconds(lambda: a @ b, device)
+def _measure_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float | None:
+    """FLOP/s of an ``n``³ matrix product in ``dtype`` (bf16, or fp8 e4m3 through torch._scaled_mm
+    with bf16 output); None where torch or the device has no such product."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    product = lambda: a @ b  # noqa: E731
+    if dtype != torch.bfloat16:
+        if not hasattr(torch, "_scaled_mm"):
+            return None
+        a, b = a.to(dtype), b.to(dtype).t().contiguous().t()  # _scaled_mm wants b column-major
+        one = torch.ones((), device=device)
+        product = lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)  # noqa: E731
+        try:
+            product()
+        except (RuntimeError, TypeError):  # no fp8 matrix product on this GPU or torch build
+            return None
+    return 2 * n**3 / (median_ms(product, 10) * 1e-3)
 
 
 # --- presets -------------------------------------------------------------------------------------
-# FlashInfer 0.7.2 (the version the capability facts are for) provides every MoE entry point that
-# moe.experts._flashinfer.library probes; a preset assumes all of them, CuTe-DSL ones included.
-_ASSUMED_VERSIONS = {"flashinfer": "0.7.2.post1", "triton": "3.6.0"}
 _GPU_LIBRARIES = ("triton", "flashinfer", "cutlass")
-
-
-def _assumed_features(library: str) -> frozenset[str]:
-    if library != "flashinfer" or importlib.util.find_spec("moe.experts._flashinfer") is None:
-        return frozenset()
-    from moe.experts._flashinfer.library import FEATURE_SOURCES
-
-    return frozenset(f"flashinfer.{f}" for f in FEATURE_SOURCES)
 
 
 def _peak(fp32: float, bf16: float, fp8: float | None = None, fp4: float | None = None) -> tuple:

@@ -9,6 +9,11 @@ A plugin package declares, in its pyproject.toml::
 Nothing else in `moe` lists the backends; the oracle, the CLI's support table and the test matrix
 iterate this registry.
 
+Backends also declare here what they know about the libraries they call (``register_library``): a
+probe that lists the features an installation has, and what a simulated platform with the library
+assumes (features, version). `moe.platform` keeps these declarations and `Platform` reads them, so the
+platform layer names no backend module and imports nothing above it.
+
 A broken plugin cannot take the library down: an entry point whose import raises (a registration
 refused for its declarations included) is skipped whole, and a plugin class whose ``check`` raises is
 rejected with that as its reason (``checked_reasons``); each gets one ``BrokenPluginWarning`` naming
@@ -23,6 +28,7 @@ from importlib.metadata import entry_points, packages_distributions
 from typing import Any, TypeVar
 
 from moe.errors import MoEConfigError
+from moe.platform import LibrarySupport, declare_library
 
 T = TypeVar("T", bound=type)
 
@@ -76,6 +82,15 @@ def register_prepare_finalize(cls: T) -> T:
     return _register(_PREPARE_FINALIZE, "PrepareFinalize", cls)
 
 
+def register_library(support: LibrarySupport) -> LibrarySupport:
+    """Declares what the backends know of ``support.library`` (a `moe.platform.LibrarySupport`): its
+    feature probe, and the features and version a simulated platform with it assumes. The built-in
+    backends declare theirs when `moe` is imported, a plugin when its entry point loads: a platform
+    detected before that (``Platform.detect`` caches) does not see the plugin's probe. MoEConfigError
+    when another declaration holds that library."""
+    return declare_library(support)
+
+
 # --- declarations --------------------------------------------------------------------------------
 # The bases are imported when a class registers, not at the top: the modules that define them import
 # this one, and a class registering has already imported its base.
@@ -88,9 +103,8 @@ def _all(values: Any, ok) -> bool:
 
 def _experts_problems(cls: type) -> list[str]:
     from moe.activation import ActivationKind
-    from moe.experts.base import Capabilities, Experts
+    from moe.experts.base import Capabilities, Experts, Mode
     from moe.formats import ActivationFormat, OutputKind
-    from moe.quant import QuantFormat
 
     if not (isinstance(cls, type) and issubclass(cls, Experts)):
         return ["it is not a subclass of moe.Experts"]
@@ -99,10 +113,10 @@ def _experts_problems(cls: type) -> list[str]:
         return ["it has no `capabilities` (a moe.Capabilities saying what it serves)"]
     if not isinstance(cap, Capabilities):
         return [f"`capabilities` must be a moe.Capabilities, not {type(cap).__name__}"]
-    is_pair = lambda v: (isinstance(v, tuple) and len(v) == 2  # noqa: E731
-                         and all(isinstance(q, QuantFormat) for q in v))
+    not_modes = [m for m in cap.modes.values() if not isinstance(m, Mode)]
+    if not_modes:  # the derived fields read the modes
+        return [f"capabilities.modes must map each QuantScheme to a moe.Mode (got {not_modes[0]!r})"]
     fields = (("formats", "ActivationFormat members", lambda v: isinstance(v, ActivationFormat)),
-              ("quant", "(weight, activation) pairs of QuantFormat", is_pair),
               ("activations", "ActivationKind members", lambda v: isinstance(v, ActivationKind)),
               ("devices", "device names (str)", lambda v: isinstance(v, str)),
               ("libraries", "library names (str)", lambda v: isinstance(v, str)))
@@ -118,16 +132,16 @@ def _experts_problems(cls: type) -> list[str]:
 
 def _prepare_finalize_problems(cls: type) -> list[str]:
     from moe.formats import ActivationFormat
-    from moe.prepare_finalize.base import PrepareFinalize, Ranks, Transport
+    from moe.prepare_finalize import base  # one import of the base the registering class imported already
     from moe.quant import QuantFormat
 
-    if not (isinstance(cls, type) and issubclass(cls, PrepareFinalize)):
+    if not (isinstance(cls, type) and issubclass(cls, base.PrepareFinalize)):
         return ["it is not a subclass of moe.prepare_finalize.base.PrepareFinalize"]
     transport = getattr(cls, "transport", _MISSING)
-    if not isinstance(transport, Transport):
+    if not isinstance(transport, base.Transport):
         got = "none" if transport is _MISSING else type(transport).__name__
         return [f"`transport` must be a moe.prepare_finalize.base.Transport saying what it serves (got {got})"]
-    fields = (("ranks", "Ranks members", lambda v: isinstance(v, Ranks)),
+    fields = (("ranks", "Ranks members", lambda v: isinstance(v, base.Ranks)),
               ("devices", "device names (str)", lambda v: isinstance(v, str)),
               ("libraries", "library names (str)", lambda v: isinstance(v, str)))
     problems = [f"transport.{field} must be a collection of {what} (got {getattr(transport, field)!r})"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moe.errors import MoEConfigError
-from moe.parallel_demo import compare_on_rank, launch_ranks, round_robin_maps
+from moe.tools.ep_demo import compare_on_rank, launch_ranks, round_robin_maps
 from moe.testing import TOLERANCES, regime_for, relative_error
 from tests.helpers import make_problem
 
@@ -136,8 +136,8 @@ def _probe_shapes(rank: int, world: int) -> dict:
     forward runs inside a workspace reserved and locked before the first call."""
     from moe import ModularKernel, ParallelConfig
     from moe.experts.reference import ReferenceExperts
-    from moe.parallel import shard_weights
-    from moe.parallel_demo import random_layer, random_tokens
+    from moe.sharding import shard_weights
+    from moe.tools.ep_demo import random_layer, random_tokens
     from moe.prepare_finalize.all_to_all import AllToAllPrepareFinalize, BatchedAllToAllPrepareFinalize
     from moe.quant import QuantFormat
 
@@ -145,7 +145,7 @@ def _probe_shapes(rank: int, world: int) -> dict:
     weights = shard_weights(random_layer(BF16, 1), problem)
     hidden, topk = random_tokens(BF16, 16, rank, favour=[0, 1])  # all tokens to rank 0's experts
     standard = AllToAllPrepareFinalize(problem)
-    arrived = standard.prepare(hidden, topk, QuantFormat.NONE, {}).num_rows
+    arrived = standard.prepare(hidden, topk, QuantFormat.NONE, {})[0].num_rows
     batched = BatchedAllToAllPrepareFinalize(problem)
     locked = ModularKernel(batched, ReferenceExperts(problem))
     reserved = locked.reserve(lock=True)

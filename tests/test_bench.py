@@ -3,47 +3,75 @@
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from moe import bench, tune
+from moe.errors import MoEConfigError
+from moe.oracle import cost
+from moe.oracle.profile import ProfileEntry
+from moe.platform import Platform
 from moe.presets import load_preset
+from moe.problem import MoEProblem
 from moe.router import TopK
-from moe.weights import ExpertWeights
+from moe.tools import bench, bench_report, tune
+from moe.tools.cli import main
+
+# the goal the committed benchmarks/peer_targets.yaml sets, with no peer times (the records carry them)
+TARGETS = bench_report.Targets("vLLM", "bf16", {}, ("torch_grouped",), speedup=1.1, match_at=0.9)
 
 
-def _record(experts, tokens, us, vllm=None):
-    return bench.Record("qwen3-30b-a3b", "bf16", tokens, experts, us, 1.0, 100.0, 10.0, 10.0 / us, True, vllm)
+def _record(experts, tokens, us, target=None):
+    return bench_report.Record("qwen3-30b-a3b", "bf16", tokens, experts, us, 1.0, 100.0, 10.0, 10.0 / us, True, target)
 
 
 def test_traffic_counts_hit_experts_and_activations():
     p = load_preset("mixtral-8x7b").scaled(max_hidden=64, max_intermediate=32, max_experts=4).problem(quant="fp16")
-    weights = ExpertWeights.from_dense(torch.randn(4, 64, 64), torch.randn(4, 64, 32), quant="fp16")
     topk = TopK(torch.tensor([[0, 1], [1, 0], [0, 1]], dtype=torch.int32), torch.rand(3, 2))
-    nbytes, flops = bench.traffic(p, weights, [topk])
+    roof = bench.traffic(p, Platform.preset("h200"), [topk])
     per_expert = (64 * 64 + 64 * 32) * 2
-    assert nbytes == 2 * per_expert + 2 * 3 * 64 * 2  # experts 0 and 1 hit; hidden in + out
-    assert flops == 2 * 3 * 2 * 64 * (64 + 32)
+    assert roof.experts_hit == 2 and roof.weight_bytes == 2 * per_expert  # experts 0 and 1 hit
+    # each of the 3 x 2 slots: its gathered row in, its intermediate out and back, its output row
+    assert roof.activation_bytes == 3 * 2 * (64 * 2 + 2 * 32 * 2 + 64 * 2)
+    assert roof.flops == 2 * 3 * 2 * 64 * (64 + 32)
+    assert roof == cost.roofline(p, Platform.preset("h200"), 3, hits=2)  # the oracle's one roofline
+
+
+def test_bench_fraction_is_the_oracles_efficiency():
+    """Where the routing hits the expected experts (k = E: every token picks every expert), the bench's
+    fraction of the roofline and the efficiency the oracle derives from the same time are one number."""
+    p = MoEProblem.create(num_experts=4, top_k=4, hidden_size=64, intermediate_size=32, quant="bf16", max_tokens=3)
+    h200, us = Platform.preset("h200"), 12.5
+    topk = TopK(torch.tensor([[0, 1, 2, 3]] * 3, dtype=torch.int32), torch.rand(3, 4))
+    fraction = bench.traffic(p, h200, [topk]).us / us
+    point = ProfileEntry.measurement("triton", h200, p, 3, us)
+    assert cost.efficiency_at((point,), h200, 3) == (fraction, 0.0)
+
+
+def test_roofline_refuses_hits_outside_the_local_experts():
+    p = MoEProblem.create(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32)
+    with pytest.raises(MoEConfigError, match=r"hits must be in \[0, local_num_experts=4\] \(got 5\)"):
+        cost.roofline(p, Platform.preset("h200"), 3, hits=5)
 
 
 def test_table_puts_backends_side_by_side():
     records = [_record("triton", 1, 30.0, 35.8), _record("torch_grouped", 1, 90.0, 35.8),
                _record("triton", 16, 200.0, 204.6)]
-    table = bench.format_table(records)
+    table = bench_report.format_table(records)
     assert "### qwen3-30b-a3b bf16" in table
     assert "| 1 | 30.0 |" in table and table.count("| 35.8 |") == 1
     assert "| 16 | 200.0 |" in table and "- | - | - | -" in table  # torch_grouped missing at M=16
 
 
 def test_targets_take_our_best_backend_against_the_better_peer():
-    ceilings = bench.Ceilings("NVIDIA H200", 4.2e12, 7.7e14, 1.5e15)
+    ceilings = bench_report.Ceilings("NVIDIA H200", 4.2e12, 7.7e14, 1.5e15)
     near_roofline = dataclasses.replace(_record("triton", 256, 199.0, 200.0), roofline_us=190.0)
     records = [_record("triton", 1, 30.0, 35.8), _record("flashinfer_cutlass", 1, 25.0, 35.8),
                _record("torch_grouped", 1, 90.0, 35.8),
                _record("triton", 16, 200.0, 204.6), _record("torch_grouped", 16, 150.0, 204.6),
                near_roofline]
-    table = bench.format_targets(records, ceilings)
+    table = bench_report.format_targets(records, ceilings, TARGETS)
     # M=1: ours is FlashInfer's 25.0; the better peer is vLLM (35.8 < 90): need 35.8 / 1.1
     assert "| 1 | 25.0 (flashinfer_cutlass) | 35.8 (28%) | 90.0 | 32.5 | 1.43x |" in table
     assert table.split("\n")[5].endswith("| yes |")
@@ -56,12 +84,12 @@ def test_targets_take_our_best_backend_against_the_better_peer():
 
 
 def test_json_and_profile_files(tmp_path):
-    ceilings = bench.Ceilings("NVIDIA H200", 4.2e12, 7.7e14, 1.5e15)
+    ceilings = bench_report.Ceilings("NVIDIA H200", 4.2e12, 7.7e14, 1.5e15)
     records = [_record("triton", 1, 30.0, 35.8)]
-    bench.write_json(tmp_path / "r.json", ceilings, records, "nvidia-h200")
+    bench_report.write_json(tmp_path / "r.json", ceilings, records, "nvidia-h200")
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["machine"] == "nvidia-h200" and data["records"][0]["us"] == 30.0
-    bench.save_profile(tmp_path / "p.yaml", ceilings, records)
+    bench_report.save_profile(tmp_path / "p.yaml", ceilings, records)
     from moe.oracle.profile import load_profile
     from moe.platform import Platform
 
@@ -72,7 +100,7 @@ def test_json_and_profile_files(tmp_path):
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    bench.plot(tmp_path / "p.png", [_record("triton", 1, 30.0, 35.8), _record("triton", 16, 200.0, 204.6)])
+    bench_report.plot(tmp_path / "p.png", [_record("triton", 1, 30.0, 35.8), _record("triton", 16, 200.0, 204.6)])
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
@@ -89,7 +117,7 @@ def test_command_line_arguments():
 def test_bench_without_gpu_says_so(capsys):
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
-    assert bench.main_bench(["--tokens", "1"]) == 2
+    assert main(["bench", "--tokens", "1"]) == 2
     assert "CUDA" in capsys.readouterr().err
 
 
@@ -107,3 +135,27 @@ def test_tune_search_space_is_valid(scheme, rows_per_expert):
                     assert t.block_k >= 64 and not t.tma  # no TMA descriptor over packed nibbles
                 if t.tma:
                     assert t.block_k <= 128
+
+
+def test_the_peer_targets_are_data_under_benchmarks():
+    targets = bench_report.load_targets(bench.CHECKOUT_TARGETS)
+    assert bench.CHECKOUT_TARGETS.parent.name == "benchmarks"
+    assert (targets.name, targets.baselines, targets.speedup, targets.match_at) == ("vLLM", ("torch_grouped",), 1.1, 0.9)
+    assert targets.time("qwen3-30b-a3b", "bf16", 1) == 35.8 and targets.time("deepseek-v3-ep8-slice", "bf16", 16384) == 44330.9
+    assert targets.time("qwen3-30b-a3b", "fp8_block", 1) is None  # the times are for bf16 only
+    # the package holds none of them
+    package = Path(bench.__file__).resolve().parents[1]
+    assert not [p for p in package.rglob("*.py") if "44330.9" in p.read_text() or "VLLM_H200" in p.read_text()]
+
+
+def test_a_malformed_targets_file_is_refused_by_name(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text("name: x\nquant: bf16\nus: {qwen3-30b-a3b: {1: 35.8}}\n")  # no goal
+    with pytest.raises(MoEConfigError, match=r"--targets .*t\.yaml: needs name, quant, us .* goal\.speedup"):
+        bench_report.load_targets(path)
+    path.write_text("name: x\nquant: bf16\nus: {}\ngoal: {speedup: 0.5, match_at: 0.9}\n")
+    with pytest.raises(MoEConfigError, match=r"goal\.speedup must be >= 1 .*\(got 0\.5, 0\.9\)"):
+        bench_report.load_targets(path)
+    args = argparse.Namespace(targets=str(tmp_path / "missing.yaml"))
+    with pytest.raises(MoEConfigError, match=r"--targets .*missing\.yaml: no such file"):
+        bench._targets(args.targets)

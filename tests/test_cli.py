@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from moe import parallel_demo
-from moe.cli import backends_table, main
-from moe.demo import dequantize_then_compute
+from moe.tools import ep_demo
+from moe.tools.cli import backends_table, main
+from moe.tools.demo import dequantize_then_compute
 from moe.errors import UnsupportedError
 from moe.experts.reference import ReferenceExperts
 from moe.kernel import ModularKernel
@@ -100,8 +100,8 @@ def test_float32_loop_agrees_with_the_reference_experts(quant):
     """Two independent computations of the same layer agree within the scheme's regime."""
     p = MoEProblem.create(num_experts=8, top_k=3, hidden_size=128, intermediate_size=128, activation="swiglu_oai",
                           quant=quant, has_bias=True, max_tokens=11)
-    weights = parallel_demo.random_layer(p, seed=0)
-    hidden, topk = parallel_demo.random_tokens(p, 11, seed=1)
+    weights = ep_demo.random_layer(p, seed=0)
+    hidden, topk = ep_demo.random_tokens(p, 11, seed=1)
     kernel = ModularKernel(LocalPrepareFinalize(p), ReferenceExperts(p))
     kernel.load(weights)
     out = kernel.forward(hidden, topk)
@@ -120,7 +120,7 @@ def test_python_dash_m_entry_point():
 
 
 def test_the_command_line_does_not_import_the_test_kit():
-    code = ("import sys, moe.cli, moe.demo, moe.parallel_demo; "
+    code = ("import sys, moe.tools.cli, moe.tools.demo, moe.tools.ep_demo; "
             "print(sorted(m for m in sys.modules if m.startswith('moe.testing')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
@@ -147,7 +147,7 @@ def test_demo_expert_parallel_nvfp4_skips_what_cannot_serve_and_says_what_it_can
 
 def test_expert_parallel_demo_gets_every_flag(monkeypatch):
     calls = []
-    monkeypatch.setattr(parallel_demo, "run_ep_demo", lambda *a, **k: calls.append((a, k)) or 0)
+    monkeypatch.setattr(ep_demo, "run_ep_demo", lambda *a, **k: calls.append((a, k)) or 0)
     assert main(["demo", "--ep", "2", "--experts", "torch_grouped", "--quant", "fp16", "--tokens", "5",
                  "--preset", "mixtral-8x7b", "--device", "cpu"]) == 0
     assert calls == [((2, "mixtral-8x7b", 5, "fp16"), {"experts": "torch_grouped"})]
@@ -156,16 +156,16 @@ def test_expert_parallel_demo_gets_every_flag(monkeypatch):
 def test_expert_parallel_demo_pairs_honour_experts():
     bf16 = MoEProblem.create(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32, quant="bf16",
                              parallel=ParallelConfig(2, 0))
-    assert parallel_demo.demo_pairs(bf16, "torch_grouped") == ([("all_to_all", "torch_grouped")], {})
-    assert parallel_demo.demo_pairs(bf16, "reference") == (
+    assert ep_demo.demo_pairs(bf16, "torch_grouped") == ([("all_to_all", "torch_grouped")], {})
+    assert ep_demo.demo_pairs(bf16, "reference") == (
         [("all_to_all", "reference"), ("all_to_all_batched", "reference")], {})
-    assert parallel_demo.demo_pairs(bf16, None) == (list(parallel_demo.DEMO_PAIRS), {})
+    assert ep_demo.demo_pairs(bf16, None) == (list(ep_demo.DEMO_PAIRS), {})
     nvfp4 = MoEProblem.create(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32, quant="nvfp4",
                               parallel=ParallelConfig(2, 0))
-    pairs, skipped = parallel_demo.demo_pairs(nvfp4, None)
+    pairs, skipped = ep_demo.demo_pairs(nvfp4, None)
     assert ("all_to_all", "torch_grouped") not in pairs and "nvfp4" in skipped[("all_to_all", "torch_grouped")][0]
     with pytest.raises(UnsupportedError, match="--experts torch_grouped cannot serve"):
-        parallel_demo.demo_pairs(nvfp4, "torch_grouped")
+        ep_demo.demo_pairs(nvfp4, "torch_grouped")
 
 
 # --- one line for every configuration error ------------------------------------------------------------
@@ -192,7 +192,7 @@ def test_demo_flag_errors_are_one_line(capsys, argv, says):
 
 def test_demo_full_size_beyond_the_machines_memory_is_refused(capsys, monkeypatch):
     """Was: drew 45 GB of float32 weights for deepseek-v3 --full-size, swapping or killed."""
-    monkeypatch.setattr("moe.demo.host_memory_bytes", lambda: 16 * 10**9)
+    monkeypatch.setattr("moe.tools.demo.host_memory_bytes", lambda: 16 * 10**9)
     err = one_error_line(capsys, ["demo", "--preset", "deepseek-v3", "--full-size", "--device", "cpu"], "demo")
     assert err.endswith("the deepseek-v3 layer's weights take 45.1 GB in float32 as the demo draws them, more than "
                         "this machine's 16.0 GB of memory; drop --full-size or choose a smaller --preset")
@@ -223,7 +223,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
     def broken(*args):
         raise RuntimeError("a bug, not a configuration error")
 
-    monkeypatch.setattr("moe.cli.run_demo", broken)
+    monkeypatch.setattr("moe.tools.cli.run_demo", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["demo"])
 

@@ -18,6 +18,7 @@ PAGES = {
     ROOT / "docs" / "writing-a-backend.md": ("moe.testing.check_experts", "examples/plugin_backend/"),
     ROOT / "docs" / "architecture.md": ("moe.compose.composition_problems", "examples/plugin_backend/"),
     ROOT / "README.md": ("moe.SlowPathWarning", "moe/presets/*.yaml"),
+    ROOT / "benchmarks" / "README.md": ("moe.tools.bench_report.format_targets", "moe/tools/bench.py"),
 }
 # backticked dotted names that are not Python symbols: the entry-point group
 NOT_SYMBOLS = {"moe.backends"}
@@ -81,13 +82,13 @@ def _exists(folder: Path, path: str) -> bool:
 def test_support_table_is_generated_from_the_declarations():
     """Run like a user would, in a clean process (the Triton interpreter flag changes declarations)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "moe.testing.docs", "--check"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "moe.tools.docs", "--check"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr + done.stdout
 
 
 def test_stale_table_is_detected_and_rewritten(tmp_path):
-    from moe.testing import docs
+    from moe.tools import docs
 
     page = tmp_path / "page.md"
     page.write_text(f"intro\n{docs.BEGIN}\n| old | table |\n{docs.END}\nend\n")

@@ -21,7 +21,7 @@ import torch
 
 from moe import MoEProblem, ParallelConfig, Router
 from moe.experts import flashinfer_cutedsl, flashinfer_cutlass, flashinfer_trtllm
-from moe.experts._flashinfer import library
+from moe.experts._flashinfer import library, trtllm_modes
 from moe.formats import ActivationFormat, Dispatched, DispatchShape
 from moe.platform import Platform
 from moe.quant import QuantFormat, quantize
@@ -285,8 +285,8 @@ def test_hard_coded_enum_values_are_flashinfers():
         "deepseek_v3": (int(methods.DeepSeekV3), int(methods.DeepSeekV3)),
     }
     layouts = enums.WeightLayout.BlockMajorK, enums.WeightLayout.MajorK
-    assert (flashinfer_trtllm._BLOCK_MAJOR_K, flashinfer_trtllm._MAJOR_K) == layouts
-    assert (flashinfer_trtllm._DEEPSEEK_FP8, flashinfer_trtllm._MX_FP8) == (
+    assert (trtllm_modes.BLOCK_MAJOR_K, trtllm_modes.MAJOR_K) == layouts
+    assert (trtllm_modes.DEEPSEEK_FP8, trtllm_modes.MX_FP8) == (
         enums.Fp8QuantizationType.DeepSeekFp8, enums.Fp8QuantizationType.MxFp8)
 
 

@@ -12,8 +12,8 @@ import torch
 from moe import MoEProblem, Router
 from moe.experts import flashinfer_cutlass
 from moe.experts._flashinfer import layouts, sm90
-from moe.experts._flashinfer.cutedsl_weights import interleaved_first_gemm
-from moe.experts._flashinfer.cutlass_weights import Geometry, first_gemm_rows
+from moe.experts._flashinfer.cutedsl_modes import interleaved_first_gemm
+from moe.experts._flashinfer.layouts import Geometry, first_gemm_rows
 from moe.experts.flashinfer_trtllm import routing_arguments
 from moe.experts.reference import ReferenceExperts
 from moe.formats import ActivationFormat, Dispatched, DispatchShape

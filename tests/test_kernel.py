@@ -19,7 +19,7 @@ from moe import (
     WorkspaceError,
     WorkspaceManager,
 )
-from moe.experts.base import Capabilities
+from moe.experts.base import Capabilities, Mode
 from moe.formats import ActivationFormat, ExpertsOutput, OutputKind
 from moe.quant import QuantFormat
 from tests.helpers import make_problem, random_inputs, random_weights
@@ -41,8 +41,7 @@ def test_composition_reports_every_problem_at_once():
         name = "test_reduced_batched"
         capabilities = Capabilities(
             formats=frozenset({ActivationFormat.BATCHED}),
-            quant=frozenset({(QuantFormat.NONE, QuantFormat.NONE)}),
-            activations=ReferenceExperts.capabilities.activations,
+            modes=Mode().serving("unquantized"),
             output=OutputKind.REDUCED,
         )
 
@@ -215,8 +214,7 @@ class _RoutesFromLogits(ReferenceExperts):
     name = "test_routes_from_logits"
     capabilities = Capabilities(
         formats=frozenset({ActivationFormat.STANDARD}),
-        quant=frozenset({(QuantFormat.NONE, QuantFormat.NONE)}),
-        activations=ReferenceExperts.capabilities.activations,
+        modes=Mode().serving("unquantized"),
         output=OutputKind.REDUCED,
         routes_from_logits=frozenset({"softmax"}),
     )
@@ -252,6 +250,30 @@ def test_routing_fused_into_the_experts_matches_the_router_path():
     assert _RoutesFromLogits.calls == before + 1
     with pytest.raises(MoEConfigError, match=r"router_logits must be \[M, num_experts\] = \[7, 6\]"):
         kernel.forward_logits(hidden, logits[:, :5], softmax)
+
+
+def test_routing_in_the_experts_finalizes_through_finalize_reduced(monkeypatch):
+    """forward_logits hands the experts' reduced ``[M, H]`` to finalize_reduced (adding shared_output
+    there): neither prepare nor finalize runs, so no stand-in Dispatched is made up for them."""
+    from moe import Router
+
+    p = make_problem(dtype=torch.float32, quant="fp32")
+    kernel = ModularKernel(LocalPrepareFinalize(p), _RoutesFromLogits(p))
+    kernel.load(random_weights(p))
+    hidden, logits, shared = torch.randn(7, p.hidden_size), torch.randn(7, p.num_experts), torch.randn(7, p.hidden_size)
+    softmax = Router("softmax", 6, 2)
+    want = kernel.forward(hidden, softmax(logits), shared_output=shared)
+    for name in ("prepare", "finalize"):
+        monkeypatch.setattr(LocalPrepareFinalize, name, lambda *a, **k: pytest.fail("called on the fused path"))
+    torch.testing.assert_close(kernel.forward_logits(hidden, logits, softmax, shared_output=shared), want)
+
+
+def test_finalize_reduced_serves_one_rank():
+    from moe import ParallelConfig
+
+    sharded = dataclasses.replace(make_problem(), parallel=ParallelConfig(2, 0))
+    with pytest.raises(MoEConfigError, match="finalize_reduced serves one rank, not ep_size=2"):
+        LocalPrepareFinalize(sharded).finalize_reduced(torch.zeros(1, sharded.hidden_size, dtype=sharded.dtype))
 
 
 def test_composition_checks_the_platform_the_kernel_runs_on(monkeypatch):

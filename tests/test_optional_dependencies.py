@@ -78,7 +78,7 @@ def test_import_moe_and_run_a_layer_without_optional_libraries():
 def test_backends_and_plan_list_missing_libraries_with_the_install_line():
     result = run_without_optional(
         """
-        from moe.cli import main
+        from moe.tools.cli import main
         main(["backends"])
         main(["plan", "--preset", "qwen3-30b-a3b", "--explain"])
         """
@@ -91,7 +91,7 @@ def test_backends_and_plan_list_missing_libraries_with_the_install_line():
 def test_plan_json_without_optional_libraries():
     result = run_without_optional(
         """
-        from moe.cli import main
+        from moe.tools.cli import main
         main(["plan", "--preset", "mixtral-8x7b", "--tokens", "1", "64", "--json"])
         """
     )
@@ -105,7 +105,7 @@ def test_demo_without_optional_libraries(quant):
     result = run_without_optional(
         f"""
         import sys
-        from moe.cli import main
+        from moe.tools.cli import main
         sys.exit(main(["demo", "--tokens", "3", "--quant", "{quant}"]))
         """
     )

@@ -1,4 +1,4 @@
-"""``python -m moe plan``: the subcommand built by ``moe.oracle.cli.add_plan_parser``."""
+"""``python -m moe plan``: the subcommand built by ``moe.tools.plan.add_plan_parser``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import re
 
 import pytest
 
-from moe.cli import main
+from moe.tools.cli import main
 from moe.errors import MoEConfigError
-from moe.oracle.cli import QUANT_NAMES, add_plan_parser
+from moe.tools.plan import QUANT_NAMES, add_plan_parser
 
 # imported here so that they register even before moe.experts imports them
 BACKEND_MODULES = ("moe.experts.triton", "moe.experts.triton_batched", "moe.experts.flashinfer_cutlass",

@@ -11,16 +11,11 @@ import torch
 
 from moe import ExpertWeights, MoEProblem, ParallelConfig, Platform
 from moe.errors import MoEConfigError
-from moe.prepare_finalize.batched import batch_slots
-from moe.parallel import (
-    EPCapacity,
-    ExpertPlacement,
-    RowCodec,
-    local_expert_ids,
-    quantizes_before_sending,
-    shard_weights,
-)
-from moe.parallel_demo import launch_ranks, round_robin_maps
+from moe.prepare_finalize import _ep
+from moe.prepare_finalize._ep import EPCapacity, ExpertPlacement, RowCodec, quantizes_before_sending
+from moe.prepare_finalize.base import batch_slots
+from moe.sharding import local_expert_ids, shard_weights
+from moe.tools.ep_demo import launch_ranks, round_robin_maps
 from moe.prepare_finalize import LocalPrepareFinalize
 from moe.prepare_finalize.all_to_all import AllToAllPrepareFinalize, BatchedAllToAllPrepareFinalize
 from moe.quant import QuantFormat
@@ -165,6 +160,36 @@ def test_capacity_is_checked_before_the_process_group():
         AllToAllPrepareFinalize(problem, max_prefill_tokens=200)
     with pytest.raises(MoEConfigError, match="max_tokens_per_rank=65 exceeds the problem's max_tokens=64"):
         BatchedAllToAllPrepareFinalize(problem, max_tokens_per_rank=65)
+
+
+def _constructed_alone(monkeypatch, cls, problem: MoEProblem, **options):
+    """An expert-parallel prepare/finalize built in one process: the group's calls are stubbed, the
+    placement comes from every rank's default map."""
+    ep, num_experts = problem.parallel.ep_size, problem.num_experts
+    maps = [ParallelConfig(ep, r).global_to_local(num_experts) for r in range(ep)]
+    monkeypatch.setattr(_ep, "process_group", lambda parallel, who: None)
+    monkeypatch.setattr(_ep, "comm_device", lambda group: torch.device("cpu"))
+    monkeypatch.setattr(_ep.ExpertPlacement, "gather",
+                        classmethod(lambda c, p, group: c.from_maps(maps, p.parallel.ep_rank)))
+    return cls(problem, **options)
+
+
+@pytest.mark.parametrize("cls", EP_CLASSES)
+def test_codecs_and_buffers_are_built_at_construction(cls, monkeypatch):
+    problem = _sharded(make_problem(QuantFormat.FP8_ROW, quant="fp8_token"), 1)
+    pf = _constructed_alone(monkeypatch, cls, problem)
+    for name in ("row_layout", "quantizes_before_sending"):
+        monkeypatch.setattr(_ep, name, lambda *a, **k: pytest.fail("a row layout computed after construction"))
+    monkeypatch.setattr(_ep.RowCodec, "for_activations", lambda *a, **k: pytest.fail("a codec built per call"))
+    wires = {fmt: pf._wire(fmt) for fmt in (QuantFormat.NONE, QuantFormat.FP8_ROW)}
+    assert {fmt: wire for fmt, (wire, _) in wires.items()} == {QuantFormat.NONE: QuantFormat.NONE,
+                                                               QuantFormat.FP8_ROW: QuantFormat.FP8_ROW}
+    assert wires[QuantFormat.FP8_ROW][1].field_bytes("x_scale") == 4
+    assert pf.workspace_shapes(3).nbytes == pf.workspace_shapes(problem.max_tokens).nbytes
+    assert pf.describe().startswith(f"{cls.name}: EP capacity")
+    with pytest.raises(MoEConfigError, match="quantizes to none or the problem's activation format fp8_row "
+                                             "\\(got quantize_to=QuantFormat.MXFP8\\)"):
+        pf._wire(QuantFormat.MXFP8)
 
 
 # --- the launcher never hangs -------------------------------------------------------------------

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe import MoEConfigError, Platform
-from moe.platform import PRESET_NAMES, preset_for_device
+import moe.platform as platform_module
+from moe import MoEConfigError, Platform, UnsupportedError
+from moe.platform import PRESET_NAMES, LibrarySupport, median_ms, preset_for_device
+from moe.registry import register_library
 
 
 def test_presets_cover_the_issue_list():
@@ -89,3 +91,54 @@ def test_detect_reads_this_machine():
     if torch.cuda.is_available():
         gpu = Platform.detect()
         assert gpu.is_cuda and gpu.capability == torch.cuda.get_device_capability() and gpu.kind in PRESET_NAMES
+
+
+def test_measure_rates_needs_a_cuda_gpu():
+    with pytest.raises(UnsupportedError, match="measure_rates: measures a CUDA GPU, and cpu is none"):
+        Platform.preset("h200").measure_rates("cpu")
+
+
+def test_measure_rates_keeps_the_presets_ratios_where_it_measures_nothing(monkeypatch):
+    """The bench's ceilings: bandwidth and bf16 measured; fp8 measured where it can be, else bf16 times
+    the preset's ratio; the other precisions keep their ratio to bf16."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(platform_module, "_measure_bandwidth", lambda device: 4.0e12)
+    rates = {torch.bfloat16: 700e12, torch.float8_e4m3fn: None}
+    monkeypatch.setattr(platform_module, "_measure_matmul_flops", lambda device, dtype: rates[dtype])
+    h200 = Platform.preset("h200")
+    measured = h200.measure_rates("cuda")
+    assert measured.memory_bandwidth == 4.0e12 and measured.peak_flops("bf16") == 700e12
+    assert measured.peak_flops("fp8") == pytest.approx(700e12 * h200.peak_flops("fp8") / h200.peak_flops("bf16"))
+    assert measured.peak_flops("fp32") == pytest.approx(700e12 * h200.peak_flops("fp32") / h200.peak_flops("bf16"))
+    assert measured.rates_source == "measured on h200 (bandwidth, bf16)"
+    rates[torch.float8_e4m3fn] = 1300e12
+    assert h200.measure_rates("cuda").peak_flops("fp8") == 1300e12
+
+
+def test_median_ms_calls_warmup_then_reps_and_takes_the_median(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the wall clock
+    clock = iter([0.0, 0.001, 1.0, 1.005, 2.0, 2.002])  # three timed calls: 1 ms, 5 ms, 2 ms
+    monkeypatch.setattr(platform_module.time, "perf_counter", lambda: next(clock))
+    calls = []
+    assert median_ms(lambda: calls.append(1), reps=3, warmup=2) == pytest.approx(2.0)
+    assert len(calls) == 5
+
+
+def test_backends_declare_their_libraries_and_the_platform_reads_them(monkeypatch):
+    """FlashInfer's probe and what a preset assumes of it come from its backend's declaration
+    (moe.registry.register_library), not from the platform module."""
+    from moe.experts._flashinfer.library import FEATURE_SOURCES
+
+    b200 = Platform.preset("b200")
+    assert b200.features_of("flashinfer") == frozenset(FEATURE_SOURCES)
+    assert (b200.version_of("flashinfer"), b200.version_of("triton")) == ("0.7.2.post1", "3.6.0")
+    monkeypatch.setattr(platform_module, "_DECLARED_LIBRARIES", dict(platform_module._DECLARED_LIBRARIES))
+    somelib = LibrarySupport("somelib", probe=lambda: frozenset({"probed"}), assumed_features=frozenset({"fast"}),
+                             assumed_version="1.2")
+    register_library(somelib)
+    simulated = Platform.preset("cpu").with_libraries(add=("somelib",))
+    assert simulated.has_feature("somelib.fast") and simulated.version_of("somelib") == "1.2"
+    assert "somelib.probed" in platform_module._probe_features(frozenset({"somelib"}))
+    assert "somelib.probed" not in platform_module._probe_features(frozenset())  # probed only where installed
+    with pytest.raises(MoEConfigError, match=r"library 'somelib' is already declared .* declare each library once"):
+        register_library(LibrarySupport("somelib", assumed_version="2.0"))

@@ -19,7 +19,7 @@ import torch
 
 from moe import FusedMoE, MoEConfigError, MoEProblem, Platform
 from moe import registry
-from moe.cli import backends_table, main
+from moe.tools.cli import backends_table, main
 from moe.experts.reference import ReferenceExperts
 from moe.experts.torch_grouped import TorchGroupedExperts
 from moe.oracle import plan
@@ -149,8 +149,8 @@ class _Experts(ReferenceExperts):
 @pytest.mark.parametrize("attr,value,problem", [
     ("capabilities", None, "`capabilities` must be a moe.Capabilities, not NoneType"),
     ("capabilities", ReferenceExperts.capabilities.__class__(
-        formats=frozenset({"standard"}), quant=ReferenceExperts.capabilities.quant,
-        activations=ReferenceExperts.capabilities.activations, output=ReferenceExperts.capabilities.output),
+        formats=frozenset({"standard"}), modes=ReferenceExperts.capabilities.modes,
+        output=ReferenceExperts.capabilities.output),
      "capabilities.formats must be a collection of ActivationFormat members (got frozenset({'standard'}))"),
 ])
 def test_register_experts_refuses_malformed_capabilities(fresh_registry, attr, value, problem):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe import FusedMoE, MoEProblem, Platform, SlowPathWarning, plan
-from moe.cli import main
+from moe.tools.cli import main
 from moe.oracle import Policy
 from moe.oracle.slow_path import slow_buckets, slow_path
 

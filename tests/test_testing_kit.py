@@ -14,10 +14,10 @@ import torch
 
 from moe.activation import ActivationKind
 from moe.errors import MoEConfigError
-from moe.experts.base import Capabilities, Experts
+from moe.experts.base import Capabilities, Experts, Mode
 from moe.formats import ActivationFormat, ExpertsOutput, OutputKind
 from moe.prepare_finalize import LocalPrepareFinalize
-from moe.prepare_finalize.base import combine_slots
+from moe.prepare_finalize.combine import sum_over_k
 from moe.quant import QuantFormat
 from moe.testing import (
     PoisonedWorkspace,
@@ -40,8 +40,7 @@ class EinsumExperts(Experts):
     name = "toy_einsum"
     capabilities = Capabilities(
         formats=frozenset({ActivationFormat.STANDARD}),
-        quant=frozenset({NONE_PAIR}),
-        activations=frozenset(ActivationKind),
+        modes=Mode().serving(NONE_PAIR),
         output=OutputKind.PER_SLOT,
     )
 
@@ -102,8 +101,9 @@ class WrongActivationExperts(EinsumExperts):
 
 
 WrongActivationExperts.capabilities = Capabilities(
-    formats=frozenset({ActivationFormat.STANDARD}), quant=frozenset({NONE_PAIR}),
-    activations=frozenset({ActivationKind.SILU, ActivationKind.GELU}), output=OutputKind.PER_SLOT,
+    formats=frozenset({ActivationFormat.STANDARD}),
+    modes=Mode(activations=frozenset({ActivationKind.SILU, ActivationKind.GELU})).serving(NONE_PAIR),
+    output=OutputKind.PER_SLOT,
 )
 
 
@@ -180,8 +180,8 @@ class NoisyExperts(EinsumExperts):
 class BatchedReducedExperts(EinsumExperts):
     name = "toy_batched_reduced"
     capabilities = Capabilities(
-        formats=frozenset(ActivationFormat), quant=frozenset({NONE_PAIR}),
-        activations=frozenset({ActivationKind.SILU}), output=OutputKind.REDUCED,
+        formats=frozenset(ActivationFormat), modes=Mode(activations=frozenset({ActivationKind.SILU})).serving(NONE_PAIR),
+        output=OutputKind.REDUCED,
     )
 
 
@@ -203,10 +203,10 @@ class IgnoresKindPrepareFinalize(LocalPrepareFinalize):
 
     name = "toy_ignores_kind"
 
-    def finalize(self, output, dispatched, topk):
+    def finalize(self, output, dispatched, route, topk):
         if output.kind is OutputKind.REDUCED:
             return output.out.to(self.problem.dtype, copy=True)
-        return combine_slots(output.out, topk, OutputKind.PER_SLOT, self.problem.dtype)
+        return sum_over_k(output.out, topk.weights, OutputKind.PER_SLOT).to(self.problem.dtype)
 
 
 # --- the kit passes correct classes ------------------------------------------------------------------
@@ -327,8 +327,9 @@ def test_a_class_that_cannot_run_here_is_skipped_with_its_reasons():
     class GpuOnly(EinsumExperts):
         name = "toy_gpu_only"
         capabilities = Capabilities(
-            formats=frozenset({ActivationFormat.STANDARD}), quant=frozenset({NONE_PAIR}),
-            activations=frozenset({ActivationKind.SILU}), output=OutputKind.PER_SLOT, devices=frozenset({"cuda"}),
+            formats=frozenset({ActivationFormat.STANDARD}),
+            modes=Mode(activations=frozenset({ActivationKind.SILU})).serving(NONE_PAIR), output=OutputKind.PER_SLOT,
+            devices=frozenset({"cuda"}),
         )
 
     from moe.platform import Platform

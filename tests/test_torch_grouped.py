@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moe import ModularKernel, Platform
+from moe import MoEConfigError, ModularKernel, Platform
 from moe.experts.reference import ReferenceExperts
 from moe.experts.torch_grouped import GroupedWeights, TorchGroupedExperts, grouped_mm_serves
 from moe.formats import DispatchShape
@@ -45,11 +45,12 @@ def _problem(quant: str, expert_map, **kwargs):
 def _apply_poisoned(experts, prepared, hidden, topk):
     """finalize(apply(...)) in a workspace of exactly the declared shapes, poisoned with NaN."""
     pf = LocalPrepareFinalize(experts.problem)
-    dispatched = pf.prepare(hidden, topk, QuantFormat.NONE, WorkspaceManager().take(pf.workspace_shapes(len(hidden))))
+    dispatched, route = pf.prepare(hidden, topk, QuantFormat.NONE,
+                                   WorkspaceManager().take(pf.workspace_shapes(len(hidden))))
     poisoned = PoisonedWorkspace(experts.workspace_shapes(DispatchShape(dispatched.format, dispatched.num_rows)))
     output = experts.apply(dispatched, prepared, poisoned.workspace)
     assert poisoned.violations() == [] and poisoned.holds(output.out)
-    return pf.finalize(output, dispatched, topk)
+    return pf.finalize(output, dispatched, route, topk)
 
 
 def _reference(problem, weights, hidden, topk):
@@ -89,11 +90,31 @@ def test_batched_prepare_copies_the_expert_map_once(monkeypatch):
     pf = BatchedPrepareFinalize(problem)
     hidden, topk = random_inputs(problem, 9)
     take = lambda: WorkspaceManager().take(pf.workspace_shapes(9))  # noqa: E731
-    first = pf.prepare(hidden, topk, QuantFormat.NONE, take())
+    first, _ = pf.prepare(hidden, topk, QuantFormat.NONE, take())
     monkeypatch.setattr(torch, "tensor", lambda *a, **k: pytest.fail("torch.tensor called on a later prepare"))
-    second = pf.prepare(hidden, topk, QuantFormat.NONE, take())
+    second, _ = pf.prepare(hidden, topk, QuantFormat.NONE, take())
     assert torch.equal(first.slot_rows, second.slot_rows)
     assert torch.equal(first.tokens_per_expert, second.tokens_per_expert)
+
+
+def test_batched_expert_map_is_built_at_construction(monkeypatch):
+    """Not on the first prepare: construction builds it on the CPU, ``load`` on another device."""
+    problem = _problem("bf16", EXPERT_MAPS["scattered"])
+    pf = BatchedPrepareFinalize(problem)
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: pytest.fail("torch.tensor called by prepare"))
+    hidden, topk = random_inputs(problem, 9)
+    first, _ = pf.prepare(hidden, topk, QuantFormat.NONE, WorkspaceManager().take(pf.workspace_shapes(9)))
+    assert first.tokens_per_expert.sum() == (first.slot_rows >= 0).sum()
+
+
+def test_batched_prepare_on_a_device_it_was_not_loaded_for_names_load():
+    problem = _problem("bf16", EXPERT_MAPS["scattered"])
+    pf = BatchedPrepareFinalize(problem)
+    pf.load("meta")
+    hidden, topk = random_inputs(problem, 3)
+    with pytest.raises(MoEConfigError, match="tokens are on cpu but the expert map was built for meta; call "
+                                             "load\\('cpu'\\) first"):
+        pf.prepare(hidden, topk, QuantFormat.NONE, WorkspaceManager().take(pf.workspace_shapes(3)))
 
 
 @pytest.mark.parametrize("quant", DTYPES)

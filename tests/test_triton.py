@@ -26,15 +26,22 @@ from moe.experts._triton.align import align_block_size, align_block_size_referen
 from moe.experts._triton.align import workspace_buffers as align_buffers  # noqa: E402
 from moe.experts._triton.rows import (  # noqa: E402
     RowValidity,
-    combine_slots,
+    combine_slots_kernel,
     combine_slots_reference,
     fp8_scale_shape,
     quantize_fp8_rows,
     quantize_fp8_rows_reference,
 )
-from moe.experts._triton.gemm import BatchedRows, grouped_gemm  # noqa: E402
+from moe.experts._triton.gemm import (  # noqa: E402
+    BatchedRows,
+    DirectRows,
+    SortedRows,
+    grouped_gemm,
+    grouped_gemm_reference,
+)
 from moe.errors import MoEConfigError  # noqa: E402
 from moe.experts._triton.support import config_key  # noqa: E402
+from moe.experts._triton.weights import WeightOperand  # noqa: E402
 from moe.experts._triton.weights import (  # noqa: E402
     mxfp4_half_split,
     mxfp4_scale_words,
@@ -44,6 +51,7 @@ from moe.experts._triton.weights import (  # noqa: E402
 from moe.experts.reference import ReferenceExperts  # noqa: E402
 from moe.experts.triton import TritonExperts  # noqa: E402
 from moe.experts.triton_batched import TritonBatchedExperts  # noqa: E402
+from moe.activation import Activation  # noqa: E402
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, OutputKind  # noqa: E402
 from moe.platform import Platform  # noqa: E402
 from moe.prepare_finalize.batched import BatchedPrepareFinalize  # noqa: E402
@@ -194,7 +202,7 @@ def test_batched(quant, num_tokens):
     topk = make_topk(num_tokens, p)
     prepare = BatchedPrepareFinalize(p)
     ws = WorkspaceManager().take(prepare.workspace_shapes(num_tokens))
-    dispatched = prepare.prepare(x, topk, p.quant.activation, ws)
+    dispatched, _ = prepare.prepare(x, topk, p.quant.activation, ws)
     out = run_experts(TritonBatchedExperts(p), dispatched, weights).out
     ref = run_experts(ReferenceExperts(p), dispatched, weights).out
     counts = dispatched.tokens_per_expert.long()
@@ -266,7 +274,7 @@ def test_combine_matches_twin(with_map):
     expert_map = torch.tensor([0, 1, -1], dtype=torch.int32) if with_map else None
     if with_map:
         y[1::3] = float("nan")  # slots elsewhere hold garbage
-    out = combine_slots(y, weights, ids, expert_map, torch.empty(5, 40, dtype=torch.float16))
+    out = combine_slots_kernel(y, weights, ids, expert_map, torch.empty(5, 40, dtype=torch.float16))
     assert_close_moe(out.float(), combine_slots_reference(y, weights, ids, expert_map), "fp16")
 
 
@@ -302,6 +310,50 @@ def test_mxfp4_gemm_dequantizes_exactly(k, block_k):
     rows = BatchedRows(torch.full((e,), k, dtype=torch.int32), k)
     grouped_gemm(a, None, to_operand(q, None), out, rows, None, 16, cfg.TileConfig(32, block_k))
     assert torch.equal(out.view(e, k, n), dequantize_mxfp4(q.data, q.scale).transpose(1, 2))
+
+
+def _rows_for(kind: str, ids: torch.Tensor, a: torch.Tensor, num_experts: int, block_m: int):
+    """(rows, A as the kernel reads it, [(output row, A row, local expert)]) for one row source."""
+    m, k = ids.shape
+    slots = ids.reshape(-1).long()
+    if kind == "sorted":
+        layout = align_block_size_reference(ids, None, num_experts, block_m)
+        return SortedRows(layout, m * k, k), a, [(s, s // k, int(slots[s])) for s in range(m * k)]
+    if kind == "direct":
+        return DirectRows(ids.reshape(-1), None, k), a, [(s, s // k, int(slots[s])) for s in range(m * k)]
+    counts = torch.bincount(slots, minlength=num_experts).int()
+    per_expert = int(counts.max())
+    batched = a.new_zeros(num_experts * per_expert, a.shape[1])
+    rows = []
+    for e in range(num_experts):
+        tokens = (ids == e).any(dim=1).nonzero().flatten()
+        batched[e * per_expert: e * per_expert + len(tokens)] = a[tokens]
+        rows += [(e * per_expert + j, e * per_expert + j, e) for j in range(len(tokens))]
+    return BatchedRows(counts, per_expert), batched, rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", ["sorted", "direct", "batched"])
+@pytest.mark.parametrize("activation", [None, "silu", "relu2"])
+def test_grouped_gemm_matches_its_torch_twin(dtype, kind, activation):
+    """The kernel, on each row source (`ROW_CODES`), against `grouped_gemm_reference`: every routed row
+    of the output is the twin's ``act(a[row] @ w[expert].T + bias)``, the gated halves fused."""
+    e, k, m, hidden, n_out, block_m = 4, 2, 7, 64, 48, 16
+    act = None if activation is None else Activation.parse(activation)
+    n_w = 2 * n_out if act is not None and act.is_gated else n_out
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(e, n_w, hidden, generator=gen) / hidden**0.5).to(dtype)
+    bias = 0.1 * torch.randn(e, n_w, generator=gen)
+    a = torch.randn(m, hidden, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(m)]).int()
+    rows, a_in, routed = _rows_for(kind, ids, a, e, block_m)
+    out = torch.full((a_in.shape[0] if kind == "batched" else m * k, n_out), float("nan"), dtype=dtype)
+    grouped_gemm(a_in, None, WeightOperand(w, None, bias, QuantFormat.NONE), out, rows, act, block_m,
+                 cfg.TileConfig(32, 32))
+    out_rows, a_rows, experts = (torch.tensor(column) for column in zip(*routed))
+    want = grouped_gemm_reference(a_in[a_rows], w, bias, experts, act)
+    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out[out_rows].float(), want, **tolerance)
 
 
 # --- declarations and configs ---------------------------------------------------------------------

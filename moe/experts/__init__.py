@@ -5,7 +5,7 @@ modules import those libraries lazily, inside methods.
 """
 
 # Registration order is the order of the support table: reference first, then by family.
-from moe.experts.base import Capabilities, Experts
+from moe.experts.base import Capabilities, Experts, Mode
 from moe.experts.reference import ReferenceExperts  # isort: skip
 from moe.experts.torch_grouped import TorchGroupedExperts  # isort: skip
 from moe.experts.triton import TritonExperts  # isort: skip
@@ -21,6 +21,7 @@ __all__ = [
     "FlashInferCuteDslExperts",
     "FlashInferCutlassExperts",
     "FlashInferTrtllmExperts",
+    "Mode",
     "ReferenceExperts",
     "TorchGroupedExperts",
     "TritonBatchedExperts",

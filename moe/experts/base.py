@@ -1,8 +1,11 @@
 """The Experts contract: the grouped GEMMs of an MoE layer behind one small interface.
 
-An Experts class declares what it can do once, as data (``capabilities``); the oracle, the error
-messages, the support table and the test matrix all read that one record. ``check`` derives every
-reason it cannot serve a problem from it; override ``extra_checks`` only for what data cannot say.
+An Experts class declares what it can do once, as data (``capabilities``): per quantization scheme a
+`Mode` -- the architectures, activations, dtypes, biases, alignment and library features that scheme's
+kernel needs -- and what holds for every scheme (formats, output kind, devices, ...). The oracle, the
+error messages, the support table and the conformance kit's cases and exclusions all read that one
+record. ``check`` derives every reason a class cannot serve a problem from it; override
+``extra_checks`` only for what data cannot say.
 
 Lifecycle: ``cls.check(problem, platform)`` -> ``experts = cls(problem)`` ->
 ``prepared = experts.prepare_weights(weights)`` (once, at load) -> per call:
@@ -12,10 +15,12 @@ Lifecycle: ``cls.check(problem, platform)`` -> ``experts = cls(problem)`` ->
 
 from __future__ import annotations
 
+import enum
 import functools
+import types
 import typing
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 import torch
@@ -23,33 +28,65 @@ import torch
 from moe.activation import ActivationKind
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
 from moe.errors import MoEConfigError, UnsupportedError
+from moe.experts.mode import ALL_DTYPES, Archs, Mode, scheme_of  # noqa: F401 -- Archs: of this contract
 from moe.platform import Platform, missing_library_reason
 from moe.problem import MoEProblem
-from moe.quant import QuantFormat
+from moe.quant import QuantFormat, QuantScheme
 from moe.weights import ExpertWeights
 from moe.workspace import Workspace, WorkspaceShapes
 
-ALL_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+class ExpertLayout(str, enum.Enum):
+    """Which expert maps (this rank's share of the E experts, ``ParallelConfig``) a class takes."""
+
+    ANY = "any"
+    BLOCK = "block"  # this rank's experts as one contiguous block, in order: an offset + count
+    EVEN_SHARDS = "even_shards"  # only the default sharding: experts ep_rank * E/ep_size .. + E/ep_size
+
+
+def local_expert_block(problem: MoEProblem) -> tuple[int, int] | None:
+    """(first global expert, count) when this rank's experts are one contiguous block in order, else None."""
+    table = problem.parallel.global_to_local(problem.num_experts)
+    local = [g for g, l in enumerate(table) if l >= 0]
+    if not local or local != list(range(local[0], local[0] + len(local))):
+        return None
+    if [table[g] for g in local] != list(range(len(local))):
+        return None
+    return local[0], len(local)
+
+
+def _layout_reasons(owner: str, layout: ExpertLayout, problem: MoEProblem) -> list[str]:
+    if layout is ExpertLayout.ANY:
+        return []
+    block = local_expert_block(problem)
+    if block is None:
+        return [f"the expert map gives this rank a non-contiguous set of experts; {owner} takes an offset + count"]
+    ep = problem.parallel
+    if layout is ExpertLayout.EVEN_SHARDS and ep.enabled:
+        per_rank = problem.num_experts // ep.ep_size
+        if problem.num_experts % ep.ep_size or block != (ep.ep_rank * per_rank, per_rank):
+            return [f"{owner} shards experts as ep_rank * E/ep_size .. + E/ep_size; "
+                    f"this rank holds experts {block[0]}..{block[0] + block[1] - 1}"]
+    return []
 
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What an Experts class can serve. Every field is checked by ``Experts.check``."""
+    """What an Experts class can serve: a `Mode` per quantization scheme (``modes``, the one
+    declaration of the schemes and what each needs), and what holds for all of them.
+
+    ``quant``, ``activations``, ``dtypes``, ``bias`` and the compute-capability range are the union of
+    the modes, derived (for the support table and the class-level reasons), never declared.
+    """
 
     formats: frozenset[ActivationFormat]
-    quant: frozenset[tuple[QuantFormat, QuantFormat]]  # supported (weight, activation) pairs
-    activations: frozenset[ActivationKind]
+    modes: Mapping[QuantScheme, Mode]
     output: OutputKind
-    dtypes: frozenset[torch.dtype] = ALL_DTYPES  # activation dtypes in and out
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
-    min_capability: tuple[int, int] | None = None  # CUDA compute capability range, inclusive
-    max_capability: tuple[int, int] | None = None
     libraries: tuple[str, ...] = ()  # must be importable (Platform.libraries)
-    alignment: Mapping[str, int] = field(default_factory=dict)  # "hidden_size"/"intermediate_size" -> multiple
-    pads_to_alignment: bool = False  # the backend pads H/I itself, so alignment is no constraint
     max_tokens: int | None = None
-    expert_map: bool = True  # serves expert-parallel problems (some experts not on this rank)
-    bias: bool = True
+    expert_map: bool = True  # serves expert-parallel problems (some experts not on this rank) ...
+    expert_layout: ExpertLayout = ExpertLayout.ANY  # ... with these expert maps
     cuda_graph_safe: bool = False
     deterministic: bool = True
     quantizes_input: bool = False  # True: takes unquantized activations and quantizes them itself
@@ -58,16 +95,79 @@ class Capabilities:
     routes_from_logits: frozenset[str] = frozenset()
     implemented: bool = True  # False: a declaration only, never selected
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.modes, Mapping):
+            raise MoEConfigError(f"Capabilities(modes=...): a mapping QuantScheme -> Mode, e.g. "
+                                 f"Mode().serving('bf16') (got {self.modes!r})")
+        object.__setattr__(self, "modes", types.MappingProxyType({scheme_of(s): m for s, m in self.modes.items()}))
+
+    @property
+    def quant(self) -> frozenset[tuple[QuantFormat, QuantFormat]]:
+        """The (weight, activation) pairs of the schemes served."""
+        return frozenset((s.weight, s.activation) for s in self.modes)
+
+    @property
+    def activations(self) -> frozenset[ActivationKind]:
+        return frozenset().union(*(m.activations for m in self.modes.values()))
+
+    @property
+    def dtypes(self) -> frozenset[torch.dtype]:
+        return frozenset().union(*(m.dtypes for m in self.modes.values()))
+
+    @property
+    def bias(self) -> bool:
+        return any(m.bias for m in self.modes.values())
+
+    @property
+    def min_capability(self) -> tuple[int, int] | None:
+        """The lowest compute capability of any mode (inclusive); None: no lower bound."""
+        lows = [m.archs.lowest for m in self.modes.values()]
+        return None if not lows or None in lows else divmod(min(lows), 10)
+
+    @property
+    def max_capability(self) -> tuple[int, int] | None:
+        highs = [m.archs.highest for m in self.modes.values()]
+        return None if not highs or None in highs else divmod(max(highs), 10)
+
+    def capability_reasons(self, capability: tuple[int, int]) -> list[str]:
+        """Why a GPU of ``capability`` is outside ``min_capability .. max_capability``."""
+        name = lambda cc: f"SM{cc[0]}{cc[1]}"  # noqa: E731
+        low, high, reasons = self.min_capability, self.max_capability, []
+        if low and capability < low:
+            reasons.append(f"needs {name(low)} or newer (got {name(capability)})")
+        if high and capability > high:
+            reasons.append(f"needs {name(high)} or older (got {name(capability)})")
+        return reasons
+
+
+def _class_reasons(cap: Capabilities, problem: MoEProblem) -> list[str]:
+    """The reasons the union of the modes (and the class-wide fields) gives."""
+    reasons = []
+    if problem.quant not in cap.modes:
+        allowed = ", ".join(sorted(f"{w.value}×{a.value}" for w, a in cap.quant))
+        pair = f"{problem.quant.weight.value}×{problem.quant.activation.value}"
+        reasons.append(f"quant {pair} (weight×activation) not supported; supports {allowed}")
+    if problem.activation.kind not in cap.activations:
+        allowed = ", ".join(sorted(a.value for a in cap.activations))
+        reasons.append(f"activation {problem.activation.name} not supported; supports {allowed}")
+    if problem.dtype not in cap.dtypes:
+        reasons.append(f"dtype {problem.dtype} not supported; supports {sorted(map(str, cap.dtypes))}")
+    if problem.has_bias and not cap.bias:
+        reasons.append("expert biases (has_bias=True) not supported")
+    if problem.parallel.enabled and not cap.expert_map:
+        reasons.append("expert parallelism (an expert map) not supported")
+    if cap.max_tokens is not None and problem.max_tokens > cap.max_tokens:
+        reasons.append(f"max_tokens={problem.max_tokens} exceeds the backend's limit {cap.max_tokens}")
+    if not cap.implemented:
+        reasons.append("declared only: no working apply in this build")
+    return reasons
+
 
 def _require_problem(problem: object, owner: str) -> None:
     if not isinstance(problem, MoEProblem):
         raise MoEConfigError(f"{owner}(problem): problem must be a MoEProblem, e.g. MoEProblem.create(num_experts=8, "
                              f"top_k=2, hidden_size=..., intermediate_size=...) (got {type(problem).__name__} "
                              f"{problem!r})")
-
-
-def _fmt_cc(cc: tuple[int, int]) -> str:
-    return f"SM{cc[0]}{cc[1]}"
 
 
 class Experts(ABC):
@@ -108,36 +208,18 @@ class Experts(ABC):
     def check(cls, problem: MoEProblem, platform: Platform | None) -> list[str]:
         """Every reason this class cannot serve ``problem`` on ``platform``; empty when it can.
 
+        In order: what the union of the modes and the class-wide fields refuse, what the platform
+        lacks, what the problem's mode needs (``Mode.unmet``), the expert layout, ``extra_checks``.
         With ``platform=None`` only the problem is checked.
         """
         cap = cls.capabilities
-        reasons = []
-        pair = (problem.quant.weight, problem.quant.activation)
-        if pair not in cap.quant:
-            allowed = ", ".join(sorted(f"{w.value}×{a.value}" for w, a in cap.quant))
-            reasons.append(
-                f"quant {pair[0].value}×{pair[1].value} (weight×activation) not supported; supports {allowed}"
-            )
-        if problem.activation.kind not in cap.activations:
-            allowed = ", ".join(sorted(a.value for a in cap.activations))
-            reasons.append(f"activation {problem.activation.name} not supported; supports {allowed}")
-        if problem.dtype not in cap.dtypes:
-            reasons.append(f"dtype {problem.dtype} not supported; supports {sorted(map(str, cap.dtypes))}")
-        if problem.has_bias and not cap.bias:
-            reasons.append("expert biases (has_bias=True) not supported")
-        if problem.parallel.enabled and not cap.expert_map:
-            reasons.append("expert parallelism (an expert map) not supported")
-        if cap.max_tokens is not None and problem.max_tokens > cap.max_tokens:
-            reasons.append(f"max_tokens={problem.max_tokens} exceeds the backend's limit {cap.max_tokens}")
-        if not cap.pads_to_alignment:
-            for dim, multiple in cap.alignment.items():
-                value = getattr(problem, dim)
-                if value % multiple:
-                    reasons.append(f"{dim} must be a multiple of {multiple} (got {value})")
-        if not cap.implemented:
-            reasons.append("declared only: no working apply in this build")
+        reasons = _class_reasons(cap, problem)
         if platform is not None:
             reasons += cls._platform_reasons(platform)
+        mode = cap.modes.get(problem.quant)
+        if mode is not None:
+            reasons += mode.unmet(problem, platform, cap, f"{cls.name} ({problem.quant_name})")
+        reasons += _layout_reasons(cls.name, cap.expert_layout, problem)
         return reasons + cls.extra_checks(problem, platform)
 
     @classmethod
@@ -147,11 +229,7 @@ class Experts(ABC):
         if platform.device not in cap.devices:
             reasons.append(f"runs on {sorted(cap.devices)}, not {platform.device}")
         elif platform.is_cuda and platform.capability is not None:
-            cc = platform.capability
-            if cap.min_capability and cc < cap.min_capability:
-                reasons.append(f"needs {_fmt_cc(cap.min_capability)} or newer (got {_fmt_cc(cc)})")
-            if cap.max_capability and cc > cap.max_capability:
-                reasons.append(f"needs {_fmt_cc(cap.max_capability)} or older (got {_fmt_cc(cc)})")
+            reasons += cap.capability_reasons(platform.capability)
         for lib in cap.libraries:
             if not platform.has_library(lib):
                 reasons.append(missing_library_reason(lib))

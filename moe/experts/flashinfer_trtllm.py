@@ -1,9 +1,10 @@
 """``flashinfer_trtllm``: FlashInfer's trtllm-gen fused MoE kernels (SM100/SM103), standard format.
 
 One kernel call does routing-sort, both GEMMs with the activation fused, and the router-weighted sum
-over k (output ``reduced``, always bf16). Format pairs (``TRTLLM_MODES``; entry point per pair):
+over k (output ``reduced``, always bf16). Modes (``TRTLLM_MODES``; the code of each scheme:
+``_flashinfer/trtllm_modes.py``):
 
-    pair             entry point                                  activations                 bias
+    scheme           entry point                                  activations                 bias
     bf16             trtllm_bf16_routed_moe                       silu, swiglu_oai, relu2     no
     fp8 per tensor   trtllm_fp8_per_tensor_scale_routed_moe       silu, relu2                 no
     fp8 128-block    trtllm_fp8_block_scale_routed_moe (DeepSeek) silu, swiglu_oai            no
@@ -14,7 +15,7 @@ over k (output ``reduced``, always bf16). Format pairs (``TRTLLM_MODES``; entry 
 
 I is padded to 16 (gated) / 128 (non-gated) -- 64/128 for bf16 (BlockMajorK) and nvfp4, 128 for the
 mx formats -- and H to 128; fp8 128-block is not padded. Activations arrive quantized by prepare
-(``quantizes_input`` is False).
+(``quantizes_input`` is False). Expert parallelism: this rank's experts as one block (an offset + count).
 
 Two ways in:
 - ``apply`` (the routed variants): the router ran outside; ids and bf16 weights are packed as
@@ -34,46 +35,43 @@ import torch
 
 from moe.activation import ActivationKind as A
 from moe.experts._flashinfer import layouts
-from moe.experts._flashinfer.cutlass_weights import Geometry
+from moe.experts._flashinfer import trtllm_modes as modes
+from moe.experts._flashinfer.base import SM100_FAMILY, FlashInferExperts, flashinfer_mode, synthetic_dispatch
+from moe.experts._flashinfer.layouts import Geometry
 from moe.experts._flashinfer.library import activation_type, autotuning, flashinfer_module
-from moe.experts._flashinfer.modes import ALL_ACTIVATIONS, SM100_FAMILY, ModeSpec, expert_map_reasons, mode_reasons
-from moe.experts._flashinfer.trtllm_weights import TrtllmWeights, prepare_trtllm
-from moe.experts.base import Capabilities, Experts
+from moe.experts._flashinfer.trtllm_modes import TrtllmWeights
+from moe.experts.base import Capabilities, ExpertLayout
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
-from moe.platform import Platform
 from moe.problem import MoEProblem
-from moe.quant import QuantFormat, QuantizedTensor, quantize
+from moe.quant import QuantFormat, QuantizedTensor, quantize, row_layout
 from moe.registry import register_experts
-from moe.router import Router, TopK
+from moe.router import Router
 from moe.weights import ExpertWeights
 from moe.workspace import Workspace, WorkspaceManager, WorkspaceShapes
 
 F = QuantFormat
-# entry-point families: each has a ``{family}_moe`` (routing from logits) and a ``{family}_routed_moe``
-BF16, FP8_TENSOR = "trtllm_bf16", "trtllm_fp8_per_tensor_scale"
-FP8_BLOCK, FP4 = "trtllm_fp8_block_scale", "trtllm_fp4_block_scale"
+ALL = frozenset(A)
 
 
-def _mode(entry: str, activations, i_align: int, i_align_nongated: int = 128, *, pads=True, bias=False) -> ModeSpec:
-    return ModeSpec(kernel=f"{entry}_routed_moe", archs=SM100_FAMILY, activations=frozenset(activations),
-                    h_align=128, i_align=i_align, i_align_nongated=i_align_nongated, pads=pads, bias=bias,
-                    features=(f"{entry}_routed_moe", f"{entry}_moe"))
+def _mode(strategy: modes.TrtllmScheme, activations, i_align: int, *, pads: bool = True, bias: bool = False):
+    entry = strategy.entry
+    return flashinfer_mode(f"{entry}_routed_moe", SM100_FAMILY, activations, h_align=128, i_align=i_align,
+                           i_align_nongated=128, pads=pads, bias=bias,
+                           features=(f"{entry}_routed_moe", f"{entry}_moe"), strategy=strategy)
 
 
 TRTLLM_MODES = {
     # BF16: BlockMajorK blocks 128 bytes of each row, so I (the second GEMM's K) pads to 64, not 16
-    (F.NONE, F.NONE): _mode(BF16, {A.SILU, A.SWIGLU_OAI, A.RELU2}, 64),
-    (F.FP8_TENSOR, F.FP8_TENSOR): _mode(FP8_TENSOR, {A.SILU, A.RELU2}, 16),
-    (F.FP8_BLOCK, F.FP8_BLOCK): _mode(FP8_BLOCK, {A.SILU, A.SWIGLU_OAI}, 128, pads=False),
-    (F.MXFP8, F.MXFP8): _mode(FP8_BLOCK, ALL_ACTIVATIONS, 128),
-    (F.NVFP4, F.NVFP4): _mode(FP4, ALL_ACTIVATIONS, 64, bias=True),
-    (F.MXFP4, F.NONE): _mode(FP4, {A.SILU, A.SWIGLU_OAI}, 128, bias=True),
-    (F.MXFP4, F.MXFP8): _mode(FP4, ALL_ACTIVATIONS, 128, bias=True),
+    "unquantized": _mode(modes.Bf16(), {A.SILU, A.SWIGLU_OAI, A.RELU2}, 64),
+    "fp8": _mode(modes.Fp8PerTensor(), {A.SILU, A.RELU2}, 16),
+    "fp8_block": _mode(modes.Fp8Block(), {A.SILU, A.SWIGLU_OAI}, 128, pads=False),
+    "mxfp8": _mode(modes.Mxfp8(), ALL, 128),
+    "nvfp4": _mode(modes.Nvfp4(), ALL, 64, bias=True),
+    "mxfp4": _mode(modes.Fp4(), {A.SILU, A.SWIGLU_OAI}, 128, bias=True),
+    "mxfp4_a_mxfp8": _mode(modes.Fp4(), ALL, 128, bias=True),
 }
 # routing name -> trtllm-gen RoutingMethodType (flashinfer/tllm_enums.py) when routing in the kernel
 ROUTES_FROM_LOGITS = {"softmax": (4, 0), "gpt_oss": (1, 1), "deepseek_v3": (2, 2)}  # (renormalized, plain)
-_DEEPSEEK_FP8, _MX_FP8 = 1, 2  # Fp8QuantizationType
-_BLOCK_MAJOR_K, _MAJOR_K = 2, 0  # WeightLayout
 
 
 def routing_arguments(router: Router) -> dict[str, Any]:
@@ -92,67 +90,43 @@ def routing_arguments(router: Router) -> dict[str, Any]:
 
 
 @register_experts
-class FlashInferTrtllmExperts(Experts):
+class FlashInferTrtllmExperts(FlashInferExperts):
     name = "flashinfer_trtllm"
     prepared_type = TrtllmWeights
     capabilities = Capabilities(
         formats=frozenset({ActivationFormat.STANDARD}),
-        quant=frozenset(TRTLLM_MODES),
-        activations=ALL_ACTIVATIONS,
+        modes=TRTLLM_MODES,
         output=OutputKind.REDUCED,
-        dtypes=frozenset({torch.bfloat16}),
         devices=frozenset({"cuda"}),
-        min_capability=(10, 0),
-        max_capability=(10, 3),
         libraries=("flashinfer",),
-        alignment={"hidden_size": 128, "intermediate_size": 128},  # per pair in TRTLLM_MODES
-        pads_to_alignment=True,  # fp8 128-block does not pad; extra_checks says so
-        bias=True,  # the fp4 pairs only; extra_checks says so
+        expert_layout=ExpertLayout.BLOCK,
         cuda_graph_safe=True,
         deterministic=False,
         routes_from_logits=frozenset(ROUTES_FROM_LOGITS),
     )
 
-    def __init__(self, problem: MoEProblem, *, intermediate_scale: float = 1.0):
-        super().__init__(problem)
-        self.pair = (problem.quant.weight, problem.quant.activation)
-        self.mode = TRTLLM_MODES[self.pair]
-        self.entry = self.mode.kernel.removesuffix("_routed_moe")
-        self.geometry = Geometry.of(problem, self.mode.padded_sizes(problem))
-        self.intermediate_scale = float(intermediate_scale)  # static dequant scale of fp8/nvfp4 intermediates
-        self.tune_max_tokens = 1 << max(problem.max_tokens - 1, 0).bit_length()
-        first, count = problem.parallel.global_to_local(problem.num_experts).index(0), problem.local_num_experts
-        self.local_experts = (first, count)
-
-    @classmethod
-    def extra_checks(cls, problem: MoEProblem, platform: Platform | None) -> list[str]:
-        return mode_reasons(TRTLLM_MODES, problem, platform) + expert_map_reasons(problem)
+    @property
+    def entry(self) -> str:
+        """The entry-point family of this problem's scheme: ``{entry}_routed_moe`` / ``{entry}_moe``."""
+        return self.strategy.entry
 
     def prepare_weights(self, weights: ExpertWeights) -> TrtllmWeights:
         weights.validate(self.problem)
-        return prepare_trtllm(weights, self.problem, self.geometry)
+        return self.strategy.prepare(self, weights)
 
     # --- workspace ---------------------------------------------------------------------------
     @classmethod
-    def declared_workspace(cls, problem: MoEProblem, dispatch: DispatchShape) -> WorkspaceShapes:
-        pair = (problem.quant.weight, problem.quant.activation)
-        rows, g, p = dispatch.max_rows, Geometry.of(problem, TRTLLM_MODES[pair].padded_sizes(problem)), problem
-        probe = quantize(torch.ones(1, g.hidden_padded), p.quant.activation, "activation")
-        buffers = {"out": ((rows, g.hidden_padded), torch.bfloat16), "topk": ((rows, p.top_k), torch.int32)}
+    def base_buffers(cls, problem: MoEProblem, g: Geometry, rows: int) -> dict:
+        row = row_layout(problem.quant.activation, g.hidden_padded, torch.float32)
+        buffers = {"out": ((rows, g.hidden_padded), torch.bfloat16), "topk": ((rows, problem.top_k), torch.int32)}
         if g.hidden_padded != g.hidden:
-            buffers["x"] = ((rows, probe.data.shape[-1]), probe.data.dtype)
-            if probe.scale is not None and probe.scale.dim():
-                buffers["x_scale"] = ((rows, probe.scale.shape[-1]), probe.scale.dtype)
-        if pair == (F.FP8_BLOCK, F.FP8_BLOCK):
-            buffers["x_scale_t"] = ((probe.scale.shape[-1] * rows,), torch.float32)
-        if pair in ((F.FP8_TENSOR, F.FP8_TENSOR), (F.NVFP4, F.NVFP4)):
-            for name in ("out1", "out1_gate", "out2"):
-                buffers[name] = ((p.local_num_experts,), torch.float32)
-        buffers["library"] = ((cls._scratch_estimate(p, g, rows),), torch.uint8)
-        return WorkspaceShapes.of(**buffers)
+            buffers["x"] = ((rows, row.data_columns), row.data_dtype)
+            if row.scale_columns:
+                buffers["x_scale"] = ((rows, row.scale_columns), row.scale_dtype)
+        return buffers
 
-    @staticmethod
-    def _scratch_estimate(p: MoEProblem, g: Geometry, rows: int) -> int:
+    @classmethod
+    def scratch_bytes(cls, p: MoEProblem, g: Geometry, rows: int) -> int:
         """trtllm-gen allocates its routing buffers and GEMM intermediates itself; this accounts for them
         (an estimate: permuted input, first-GEMM output and activation per (token, slot), padded tiles)."""
         slots = rows * p.top_k + p.local_num_experts * 128
@@ -167,7 +141,7 @@ class FlashInferTrtllmExperts(Experts):
             packed = layouts.pack_topk(dispatched.topk.ids, dispatched.topk.weights, out=workspace["topk"][:rows])
             kwargs = self._kernel_kwargs(dispatched.x, weights, workspace, out)
             routing = {"topk_ids": packed, "n_group": None, "topk_group": None, "routed_scaling_factor": None}
-            if self.entry != BF16:
+            if self.entry != modes.BF16:
                 routing["routing_bias"] = None
             getattr(flashinfer_module(), f"{self.entry}_routed_moe")(**routing, **kwargs)
         return ExpertsOutput(OutputKind.REDUCED, layouts.unpad_view(out, self.geometry.hidden))
@@ -202,29 +176,7 @@ class FlashInferTrtllmExperts(Experts):
             "tune_max_num_tokens": self.tune_max_tokens, "activation_type": activation_type(p.activation),
         }
         data, scale = self._activations(x, ws)
-        if self.entry == BF16:
-            return {**common, "hidden_states": data, "gemm1_weights": w.w13, "gemm2_weights": w.w2,
-                    "use_shuffled_weight": True, "weight_layout": _BLOCK_MAJOR_K, **w.activation_params}
-        if self.entry == FP8_TENSOR:
-            out1, gate, out2 = self._output_scales(x.scale, w, ws, "w13_scale", "w2_scale")
-            return {**common, "hidden_states": data, "gemm1_weights": w.w13, "output1_scales_scalar": out1,
-                    "output1_scales_gate_scalar": gate, "gemm2_weights": w.w2, "output2_scales_scalar": out2,
-                    "use_routing_scales_on_input": False}
-        weights = {"gemm1_weights": w.w13, "gemm1_weights_scale": w.w13_scale,
-                   "gemm2_weights": w.w2, "gemm2_weights_scale": w.w2_scale}
-        if self.entry == FP8_BLOCK:
-            deepseek = self.pair[0] is F.FP8_BLOCK
-            return {**common, **weights, "hidden_states": data, "hidden_states_scale": scale,
-                    "use_shuffled_weight": not deepseek, "weight_layout": _MAJOR_K,
-                    "fp8_quantization_type": self._fp8_type(_DEEPSEEK_FP8 if deepseek else _MX_FP8),
-                    **w.activation_params}
-        scales = (None, None, None)
-        if self.pair[0] is F.NVFP4:
-            scales = self._output_scales(x.global_scale, w, ws, "w13_global", "w2_global")
-        return {**common, **weights, "hidden_states": data, "hidden_states_scale": scale,
-                "gemm1_bias": w.b13, "gemm2_bias": w.b2, "output1_scale_scalar": scales[0],
-                "output1_scale_gate_scalar": scales[1], "output2_scale_scalar": scales[2],
-                **{name: w.activation_params.get(name) for name in ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")}}
+        return {**common, **self.strategy.kernel_args(self, x, data, scale, w, ws)}
 
     def _activations(self, x: QuantizedTensor, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden_states, hidden_states_scale) as the entry point takes them, padded to H'."""
@@ -234,34 +186,17 @@ class FlashInferTrtllmExperts(Experts):
             if scale is not None:
                 fill = layouts.E4M3_ONE if x.fmt is F.NVFP4 else layouts.E8M0_ONE
                 scale = layouts.pad_into(ws["x_scale"], layouts.as_bytes(scale), fill).view(scale.dtype)
-        if x.fmt is F.FP8_BLOCK:  # DeepSeek FP8 takes the 1x128 group scales transposed: [H/128, M]
-            t = ws["x_scale_t"][: scale.numel()].view(scale.shape[1], scale.shape[0])
-            scale = t.copy_(scale.t())
-        elif scale is not None and self.entry == FP4:
-            scale = scale.view(torch.float8_e4m3fn)  # mxfp8 e8m0 bytes typed e4m3, as the fp4 entry wants
-        return data, scale
+        return data, self.strategy.kernel_scale(scale, ws)
 
-    def _output_scales(self, a1: torch.Tensor, w: TrtllmWeights, ws: Workspace, first: str, second: str):
-        """Per-expert epilogue scales from the per-call activation scale ``a1`` (a dequant multiplier):
-        gate = a1 * w13, out1 = gate / a2 (gated) or 1 / a2, out2 = a2 * w2, a2 the static intermediate scale."""
-        a2 = self.intermediate_scale
-        gate = torch.mul(w.per_expert[first], a1, out=ws["out1_gate"])
-        out1 = torch.div(gate, a2, out=ws["out1"]) if self.problem.activation.is_gated else ws["out1"].fill_(1.0 / a2)
-        out2 = torch.mul(w.per_expert[second], a2, out=ws["out2"])
-        return out1, gate, out2
-
-    def _fp8_type(self, value: int):
+    def fp8_type(self, value: int):
+        """FlashInfer's ``Fp8QuantizationType`` member of ``value``."""
         return flashinfer_module("flashinfer.tllm_enums").Fp8QuantizationType(value)
 
     # --- warm-up -----------------------------------------------------------------------------
     def warmup(self, weights: TrtllmWeights, buckets: tuple[int, ...] | None = None) -> None:
         """Autotunes the kernels per token bucket (FlashInfer's autotuner), once, before serving."""
-        device, rows, p = weights.w13.device, self.tune_max_tokens, self.problem
-        x = torch.randn(rows, p.hidden_size, device=device).to(p.dtype)
-        slots = torch.arange(rows * p.top_k, device=device).view(rows, p.top_k)
-        ids = (self.local_experts[0] + slots % self.local_experts[1]).to(torch.int32)
-        topk = TopK(ids, torch.full((rows, p.top_k), 1.0 / p.top_k, device=device))
-        dispatched = Dispatched(ActivationFormat.STANDARD, quantize(x, p.quant.activation, "activation"), topk)
+        device, rows = weights.w13.device, self.tune_max_tokens
+        dispatched = synthetic_dispatch(self.problem, rows, device, self.problem.quant.activation)
         workspace = WorkspaceManager(device).take(self.workspace_shapes(DispatchShape(ActivationFormat.STANDARD, rows)))
         with autotuning(tuple(b for b in buckets if b <= rows) if buckets else None):
             self.apply(dispatched, weights, workspace)

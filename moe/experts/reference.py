@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe.activation import ActivationKind
-from moe.experts.base import Capabilities, Experts
+from moe.experts.base import Capabilities, Experts, Mode
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
 from moe.problem import MoEProblem
 from moe.quant import QuantFormat, QuantizedTensor, dequantize, quantize
@@ -69,8 +68,7 @@ class ReferenceExperts(Experts):
     prepared_type = DenseWeights
     capabilities = Capabilities(
         formats=frozenset(ActivationFormat),
-        quant=SCHEME_PAIRS,
-        activations=frozenset(ActivationKind),
+        modes=Mode().serving(*SCHEME_PAIRS),
         output=OutputKind.PER_SLOT,
         deterministic=True,
     )

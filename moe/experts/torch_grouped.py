@@ -29,12 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from moe.activation import ActivationKind
-from moe.experts.base import Capabilities, Experts
+from moe.experts.base import Capabilities, Experts, Mode
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
 from moe.platform import Platform
+from moe.prepare_finalize.combine import sum_over_k
 from moe.problem import MoEProblem
-from moe.quant import QuantFormat
 from moe.registry import register_experts
 from moe.weights import ExpertWeights
 from moe.workspace import Workspace, WorkspaceShapes
@@ -74,8 +73,7 @@ class TorchGroupedExperts(Experts):
     prepared_type = GroupedWeights
     capabilities = Capabilities(
         formats=frozenset({ActivationFormat.STANDARD}),
-        quant=frozenset({(QuantFormat.NONE, QuantFormat.NONE)}),
-        activations=frozenset(ActivationKind),
+        modes=Mode().serving("unquantized"),
         output=OutputKind.REDUCED,
         deterministic=True,
     )
@@ -131,7 +129,7 @@ class TorchGroupedExperts(Experts):
         #    garbage, maybe NaN, so they are zeroed, never multiplied by a zero weight
         y.masked_fill_((sorted_key == p.local_num_experts).unsqueeze(1), 0)
         per_slot = x_sorted.index_copy_(0, order, y).view(num_rows, k, p.hidden_size)  # x_sorted is free
-        torch.sum(per_slot * topk.weights.unsqueeze(-1), dim=1, out=out)
+        sum_over_k(per_slot, topk.weights, OutputKind.PER_SLOT, out=out)
         return ExpertsOutput(OutputKind.REDUCED, out)
 
 

@@ -21,7 +21,7 @@ from moe.experts._triton.align import align_block_size
 from moe.experts._triton.align import workspace_buffers as align_buffers
 from moe.experts._triton.config import BLOCK_MS, ConfigTable
 from moe.experts._triton.gemm import DirectRows, SortedRows, grouped_gemm
-from moe.experts._triton.rows import RowValidity, combine_slots
+from moe.experts._triton.rows import RowValidity, combine_slots_kernel
 from moe.experts._triton.support import (
     COMMON_CAPABILITIES,
     check_input,
@@ -115,7 +115,7 @@ class TritonExperts(Experts):
         y = workspace["y"][:slots]
         grouped_gemm(a2, a2_scale, weights.w2, y, rows2, None, config.block_m, config.gemm2)
         # 4. router weights and the sum over k
-        combine_slots(y, dispatched.topk.weights, ids, weights.expert_map, out)
+        combine_slots_kernel(y, dispatched.topk.weights, ids, weights.expert_map, out)
         return ExpertsOutput(OutputKind.REDUCED, out)
 
 

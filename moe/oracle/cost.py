@@ -4,12 +4,19 @@ For M tokens on one rank (k slots each; under expert parallelism every rank send
 this rank's E_local experts receive about M * k slots)::
 
     experts hit   = E_local * (1 - (1 - k/E) ** (M * ep_size))        expected, for random routing
+                    (or the number a measurement's routing hit: ``roofline(..., hits=)``)
     weight bytes  = experts hit * (w13_rows * H + H * I) * bits(weight format) / 8
     act. bytes    = slots * (H * in_bytes + 2 * I * dtype_bytes + H * dtype_bytes)
                     (gathered input, the intermediate written and read, each slot's output)
     FLOPs         = 2 * slots * H * (w13_rows + I)
     roofline_us   = max(bytes / memory_bandwidth, FLOPs / peak_flops(precision))
     experts us    = overhead_us + roofline_us / efficiency        (efficiency, overhead: the profile)
+
+The activation bytes count what an experts stage moves when its two GEMMs run as two kernels, as
+every backend here runs them: each of the M * k slots gathers its token's row, writes and reads its
+intermediate row, and writes its output row. ``python -m moe bench`` divides this same roofline by
+its measured times ("% of roofline"), so its fractions and the efficiencies the oracle derives from
+measured profile points are one quantity.
 
 The GEMM precision is the activations' format (fp8 -> "fp8", nvfp4 -> "fp4") or, with unquantized
 activations (W4A16, bf16), the dtype. The prepare/finalize half costs its profile's overhead plus the
@@ -23,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from moe.errors import MoEConfigError
 from moe.formats import ActivationFormat
 from moe.oracle.profile import DEFAULT_EFFICIENCY, DEFAULT_OVERHEAD_US, Profile, ProfileEntry, ProfileShape
 from moe.platform import Platform
@@ -85,10 +93,20 @@ def gemm_precision(problem: MoEProblem) -> str:
     return "fp16" if problem.quant_name == "fp16" else _DTYPE_PRECISION[problem.dtype.itemsize]
 
 
-def roofline(problem: MoEProblem, platform: Platform, tokens: int) -> Roofline:
-    """The roofline of one forward of ``tokens`` tokens on this rank (formulas in the module docstring)."""
+def roofline(problem: MoEProblem, platform: Platform, tokens: int, hits: float | None = None) -> Roofline:
+    """The roofline of one forward of ``tokens`` tokens on this rank (formulas in the module docstring).
+
+    ``hits``: the number of local experts the routing hits, where it was measured (a benchmark's
+    routing, averaged over its input sets); by default the number expected for random routing.
+    Raises MoEConfigError for ``hits`` outside ``[0, local_num_experts]``.
+    """
     p, dtype_bytes = problem, problem.dtype.itemsize
-    hit = expected_experts_hit(p.num_experts, p.top_k, p.local_num_experts, tokens * p.parallel.ep_size)
+    if hits is None:
+        hit = expected_experts_hit(p.num_experts, p.top_k, p.local_num_experts, tokens * p.parallel.ep_size)
+    elif not 0 <= hits <= p.local_num_experts:
+        raise MoEConfigError(f"roofline: hits must be in [0, local_num_experts={p.local_num_experts}] (got {hits!r})")
+    else:
+        hit = float(hits)
     slots = tokens * p.top_k
     weight_bytes = hit * (p.w13_rows * p.hidden_size + p.hidden_size * p.intermediate_size)
     weight_bytes *= weight_bits(p.quant.weight, dtype_bytes) / 8

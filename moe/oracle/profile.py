@@ -38,7 +38,6 @@ Within one level, a later file's points replace an earlier file's points at the 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable
@@ -244,12 +243,6 @@ def load_profiles(paths: Iterable[str | Path]) -> Profile:
             raise MoEConfigError(f"profile file {str(path)!r} does not exist")
         profile = profile.merged(load_profile(path))
     return profile
-
-
-def env_profile_paths() -> tuple[str, ...]:
-    """``MOE_PROFILE=path[:path...]``."""
-    value = os.environ.get("MOE_PROFILE", "")
-    return tuple(p for p in value.split(os.pathsep) if p)
 
 
 # --- validation ----------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import Mapping
 from moe.compose import activation_quant, composition_problems
 from moe.errors import MoEConfigError, UnsupportedError
 from moe.oracle.cost import Estimate, estimate_experts, estimate_transport
+from moe.oracle.explain import as_json, render, render_table
 from moe.oracle.policy import Policy
 from moe.oracle.profile import Profile, load_profiles
 from moe.platform import Platform
@@ -119,19 +120,19 @@ class Plan:
         """The problem a member kernel is built for: max_tokens = the largest bucket it serves."""
         return dataclasses.replace(self.problem, max_tokens=self.max_tokens_of(pair))
 
-    def explain(self) -> str:
-        from moe.oracle.explain import render
+    def replanned(self, problem: MoEProblem | None = None, platform: Platform | None = None) -> "Plan":
+        """The plan of another problem or platform with this plan's policy and candidates (empty
+        allowed): what `moe.oracle.slow_path` asks when it looks for a way out of a slow path."""
+        return plan(problem or self.problem, platform or self.platform, self.policy, experts=self.classes.get(EXPERTS),
+                    prepare_finalize=self.classes.get(PREPARE_FINALIZE), allow_empty=True)
 
+    def explain(self) -> str:
         return render(self)
 
     def table(self) -> str:
-        from moe.oracle.explain import render_table
-
         return render_table(self)
 
     def to_json(self) -> dict:
-        from moe.oracle.explain import as_json
-
         return as_json(self)
 
 

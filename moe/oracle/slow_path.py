@@ -87,14 +87,6 @@ def _has_a_kernel(plan: "Plan") -> bool:
     return bool(plan.buckets) and all(b.chosen.pair.experts != REFERENCE for b in plan.buckets)
 
 
-def _replan(plan: "Plan", problem=None, platform: Platform | None = None) -> "Plan":
-    from moe.oracle.select import plan as make_plan  # select imports nothing of this module at load
-
-    return make_plan(problem or plan.problem, platform or plan.platform, plan.policy,
-                     experts=plan.classes.get("experts"), prepare_finalize=plan.classes.get("prepare_finalize"),
-                     allow_empty=True)
-
-
 def _schemes_with_a_kernel(plan: "Plan") -> tuple[str, ...]:
     found = []
     for name in _ALTERNATIVE_SCHEMES:
@@ -102,7 +94,7 @@ def _schemes_with_a_kernel(plan: "Plan") -> tuple[str, ...]:
         if scheme == plan.problem.quant:
             continue
         problem = dataclasses.replace(plan.problem, quant=scheme)
-        if _has_a_kernel(_replan(plan, problem=problem)):
+        if _has_a_kernel(plan.replanned(problem=problem)):
             found.append(problem.quant_name)
     return tuple(found)
 
@@ -111,6 +103,6 @@ def _platforms_with_a_kernel(plan: "Plan") -> tuple[str, ...]:
     found = []
     for name in PRESET_NAMES:
         platform = Platform.preset(name)
-        if platform.is_cuda and name != plan.platform.kind and _has_a_kernel(_replan(plan, platform=platform)):
+        if platform.is_cuda and name != plan.platform.kind and _has_a_kernel(plan.replanned(platform=platform)):
             found.append(name)
     return tuple(found)

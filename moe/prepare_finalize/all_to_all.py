@@ -1,6 +1,6 @@
 """``all_to_all`` and ``all_to_all_batched``: expert parallelism over torch.distributed.
 
-Each rank holds ``E_local`` experts (`moe.parallel`). prepare sends every token to the ranks that own
+Each rank holds ``E_local`` experts (`moe.sharding`). prepare sends every token to the ranks that own
 its experts; the experts there compute only their own slots; finalize brings the results home and
 sums them in the original token order. The transport is ``torch.distributed.all_to_all_single``
 (NCCL on GPUs, gloo on CPU). Construction is collective: every rank of the group builds it together.
@@ -17,8 +17,9 @@ Decisions, and why:
   128-group, MX); one scale over the batch (fp8 per tensor, nvfp4) must be computed over the batch the
   experts multiply, so those travel unquantized and are quantized on arrival.
 - Results come back in the dtype the experts wrote them. Per-slot outputs (``reference``) return one
-  row per (token, slot) and home weights and sums over k exactly as ``local`` does, so a sharded
-  ``reference`` equals the unsharded one bit for bit. Reduced outputs return one partial sum per
+  row per (token, slot) and home weights and sums over k exactly as ``local`` does (`sum_over_k`), so
+  a sharded ``reference`` equals the unsharded one bit for bit (while torch.sum adds the k slots in
+  the same order for both batch sizes: it does on CPU up to k = 4). Reduced outputs return one partial sum per
   (token, rank), which home adds in rank order: equal up to summation order, k/ranks times less traffic.
 
 ``all_to_all`` (standard format) exchanges the counts first, then the rows with uneven splits: no
@@ -33,26 +34,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from moe.errors import MoEConfigError
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
-from moe.parallel import (
-    EPCapacity,
-    ExpertPlacement,
-    RowCodec,
-    arrived_activations,
-    comm_device,
-    process_group,
-    token_payloads,
-    wire_format,
-)
-from moe.prepare_finalize.base import PrepareFinalize, Ranks, Transport, add_shared, combine_slots
-from moe.prepare_finalize.batched import batch_slots
-from moe.prepare_finalize.local import QUANTIZABLE
+from moe.prepare_finalize._ep import EPCapacity, ExpertParallelPrepareFinalize, RowCodec, arrived_activations
+from moe.prepare_finalize.base import add_shared, batch_slots
+from moe.prepare_finalize.combine import sum_over_k
 from moe.problem import MoEProblem
 from moe.quant import QuantFormat, QuantizedTensor
 from moe.registry import register_prepare_finalize
@@ -60,25 +50,10 @@ from moe.router import TopK
 from moe.workspace import Workspace, WorkspaceShapes
 
 
-# what both all-to-all classes declare; the batched one in the batched format
-EXPERT_PARALLEL = Transport(ActivationFormat.STANDARD, QUANTIZABLE, ranks=frozenset({Ranks.EXPERT_PARALLEL}))
-
-
-@dataclass(frozen=True)
-class ExchangedDispatched(Dispatched):
-    """A `Dispatched` that remembers how its rows travelled, so finalize can send results home.
-
-    Under expert parallelism ``topk`` (and, batched, ``slot_rows``) describe the M' rows that arrived
-    here, not the M tokens of this rank: those are the rows the experts compute.
-    """
-
-    route: Any = None  # how the rows travelled, in the prepare/finalize's own record (StandardRoute, ...)
-
-
 @dataclass(frozen=True)
 class StandardRoute:
-    """Example, M=3 on rank 0 of 2, tokens 0 and 2 to rank 0, tokens 1 and 2 to rank 1:
-    ``send_tokens=[0, 2, 1, 2]``, ``send_counts=(2, 2)``."""
+    """How ``all_to_all``'s rows travelled. Example, M=3 on rank 0 of 2, tokens 0 and 2 to rank 0,
+    tokens 1 and 2 to rank 1: ``send_tokens=[0, 2, 1, 2]``, ``send_counts=(2, 2)``."""
 
     send_tokens: torch.Tensor  # int64 [S]: home token of each row sent, grouped by destination rank
     send_counts: tuple[int, ...]  # rows sent to each rank
@@ -87,63 +62,16 @@ class StandardRoute:
 
 @dataclass(frozen=True)
 class BatchedRoute:
+    """How ``all_to_all_batched``'s rows travelled."""
+
     send_rows: torch.Tensor  # int64 [M, ep]: row of (token, rank) in the [ep * max_tokens_per_rank] block, -1: not sent
 
 
-class _ExpertParallel(PrepareFinalize):
-    """What both all-to-all classes share: the group, the placement, the capacity, the wire format."""
-
-    def __init__(self, problem: MoEProblem, capacity: EPCapacity):
-        super().__init__(problem)
-        self.capacity = capacity
-        self._codecs: dict[QuantFormat, RowCodec] = {}
-        self.group = process_group(problem.parallel, self.name)
-        self.placement = ExpertPlacement.gather(problem, self.group)
-        self._owner, self._to_local = self.placement.tensors(comm_device(self.group))
-
-    @property
-    def num_dispatchers(self) -> int:
-        return self.problem.parallel.ep_size
-
-    @property
-    def output_is_reduced(self) -> bool:
-        return True
-
-    @property
-    def max_tokens_per_rank(self) -> int:
-        return self.capacity.max_tokens_per_rank
-
-    def describe(self) -> str:
-        """The capacity and the workspace for the largest batch, known before the first forward."""
-        return f"{self.name}: " + self.capacity.describe(self.workspace_shapes(self.problem.max_tokens).nbytes)
-
-    # --- wire format ---------------------------------------------------------------------------
-    def _wire_format(self, quantize_to: QuantFormat) -> QuantFormat:
-        return wire_format(self.problem, quantize_to)
-
-    def _codec(self, wire: QuantFormat) -> RowCodec:
-        if wire not in self._codecs:  # read off a one-row probe once per format
-            p = self.problem
-            self._codecs[wire] = RowCodec.for_activations(p.hidden_size, p.dtype, wire, p.top_k)
-        return self._codecs[wire]
-
-    def _pack(self, hidden: torch.Tensor, topk: TopK, wire: QuantFormat, codec: RowCodec) -> torch.Tensor:
-        """``[M, row_bytes]``: each token's activations (in ``wire``), scales, ids and weights."""
-        return codec.pack(token_payloads(hidden, topk, wire))
-
-    def _destinations(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[M, ep]`` bool: which ranks each token travels to (those owning any of its experts)."""
-        dest = self._owner.to(ids.device)[ids.long()]
-        sends = torch.zeros(ids.shape[0], self.problem.parallel.ep_size, dtype=torch.bool, device=ids.device)
-        return sends.scatter_(1, dest, True)
-
-
 @register_prepare_finalize
-class AllToAllPrepareFinalize(_ExpertParallel):
+class AllToAllPrepareFinalize(ExpertParallelPrepareFinalize[StandardRoute]):
     """Standard format; M' (rows arriving) varies per call, bounded by ``ep_size x max_tokens``."""
 
     name = "all_to_all"
-    transport = EXPERT_PARALLEL
 
     def __init__(self, problem: MoEProblem, *, max_prefill_tokens: int | None = None):
         capacity = EPCapacity(problem.parallel.ep_size, problem.max_tokens, None, max_prefill_tokens)
@@ -154,24 +82,24 @@ class AllToAllPrepareFinalize(_ExpertParallel):
         return DispatchShape(ActivationFormat.STANDARD, self.capacity.rows_arriving)
 
     def prepare(self, hidden: torch.Tensor, topk: TopK, quantize_to: QuantFormat,
-                workspace: Workspace) -> Dispatched:
-        wire = self._wire_format(quantize_to)
-        codec = self._codec(wire)
+                workspace: Workspace) -> tuple[Dispatched, StandardRoute]:
+        wire, codec = self._wire(quantize_to)
         route = self._route(topk.ids)
         send = self._pack(hidden, topk, wire, codec)[route.send_tokens]
         fields = codec.unpack(_exchange(send, route.send_counts, route.recv_counts, self.group))
         x = arrived_activations(fields, wire, quantize_to)
-        return ExchangedDispatched(ActivationFormat.STANDARD, x, TopK(fields["ids"], fields["weights"]), route=route)
+        return Dispatched(ActivationFormat.STANDARD, x, TopK(fields["ids"], fields["weights"])), route
 
     def finalize(
-        self, output: ExpertsOutput, dispatched: Dispatched, topk: TopK, shared_output: torch.Tensor | None = None
+        self, output: ExpertsOutput, dispatched: Dispatched, route: StandardRoute, topk: TopK,
+        shared_output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        route, rows = dispatched.route, dispatched.num_rows
+        rows = dispatched.num_rows
         if output.kind is OutputKind.REDUCED:
             back = _exchange(output.out[:rows], route.recv_counts, route.send_counts, self.group)
             out = _sum_partials(back, route.send_tokens, route.send_counts, topk.num_tokens, self.problem.dtype)
         else:
-            out = self._finalize_slots(output.out[:rows], output.kind, dispatched, topk)
+            out = self._finalize_slots(output.out[:rows], output.kind, dispatched, route, topk)
         return add_shared(out, shared_output)
 
     def _route(self, ids: torch.Tensor) -> StandardRoute:
@@ -183,10 +111,10 @@ class AllToAllPrepareFinalize(_ExpertParallel):
         counts = torch.stack([send_counts, recv_counts]).tolist()  # the one host sync of prepare
         return StandardRoute(rank_token[:, 1], tuple(counts[0]), tuple(counts[1]))
 
-    def _finalize_slots(self, out: torch.Tensor, kind: OutputKind, dispatched: Dispatched,
+    def _finalize_slots(self, out: torch.Tensor, kind: OutputKind, dispatched: Dispatched, route: StandardRoute,
                         topk: TopK) -> torch.Tensor:
         """Per-slot results travel home one row per (token, slot) and are summed there like ``local``."""
-        route, (num_tokens, k), hidden = dispatched.route, topk.ids.shape, out.shape[-1]
+        (num_tokens, k), hidden = topk.ids.shape, out.shape[-1]
         here = self._to_local.to(out.device)[dispatched.topk.ids.long()] >= 0  # [M', k] slots computed here
         # slots sent back to each source rank: rows arrived grouped by source, so sum per group
         edges = torch.tensor([0, *itertools.accumulate(route.recv_counts)], device=out.device)
@@ -199,11 +127,11 @@ class AllToAllPrepareFinalize(_ExpertParallel):
         back = _exchange(out[here], send_counts, recv_counts, self.group)
         per_slot = back.new_zeros(num_tokens * k, hidden)
         per_slot[dest.argsort(stable=True)] = back  # rank-major back into (token, slot) order
-        return combine_slots(per_slot.view(num_tokens, k, hidden), topk, kind, self.problem.dtype)
+        return sum_over_k(per_slot.view(num_tokens, k, hidden), topk.weights, kind).to(self.problem.dtype)
 
 
 @register_prepare_finalize
-class BatchedAllToAllPrepareFinalize(_ExpertParallel):
+class BatchedAllToAllPrepareFinalize(ExpertParallelPrepareFinalize[BatchedRoute]):
     """Batched format with fixed shapes: ``[E_local, T, H]`` expert buffers, T = ``max_tokens_per_expert``.
 
     ``max_tokens_per_rank`` bounds M on every rank (default: the problem's max_tokens); T defaults to
@@ -212,7 +140,7 @@ class BatchedAllToAllPrepareFinalize(_ExpertParallel):
     """
 
     name = "all_to_all_batched"
-    transport = replace(EXPERT_PARALLEL, format=ActivationFormat.BATCHED)
+    format = ActivationFormat.BATCHED  # refines the expert-parallel transport
 
     def __init__(self, problem: MoEProblem, *, max_tokens_per_rank: int | None = None,
                  max_tokens_per_expert: int | None = None, max_prefill_tokens: int | None = None):
@@ -226,6 +154,7 @@ class BatchedAllToAllPrepareFinalize(_ExpertParallel):
         if capacity.rows_per_expert is None:
             capacity = replace(capacity, rows_per_expert=capacity.rows_arriving)
         super().__init__(problem, capacity)
+        self._buffers = self._size_buffers()
 
     @property
     def _block(self) -> int:
@@ -236,12 +165,14 @@ class BatchedAllToAllPrepareFinalize(_ExpertParallel):
         return DispatchShape(ActivationFormat.BATCHED, self.capacity.rows_per_expert)
 
     def workspace_shapes(self, num_tokens: int) -> WorkspaceShapes:
+        return self._buffers  # fixed shapes: the same for every M
+
+    def _size_buffers(self) -> WorkspaceShapes:
         """Byte buffers sized for either activation format the experts may ask for (the format is
         known only per call): send/receive blocks, and the expert buffers (+1 row each: a dump row)."""
         p = self.problem
-        formats = {QuantFormat.NONE, p.quant.activation}
-        wire = max(self._codec(self._wire_format(f)).row_bytes for f in formats)
-        experts = [RowCodec.for_activations(p.hidden_size, p.dtype, f, p.top_k) for f in formats]
+        wire = max(codec.row_bytes for codec in self._codecs.values())
+        experts = [RowCodec.for_activations(p.hidden_size, p.dtype, f, p.top_k) for f in self._wires]
         x_row = max(c.field_bytes("x") for c in experts)
         scale_row = max(c.field_bytes("x_scale") for c in experts)
         slots = p.local_num_experts * self.capacity.rows_per_expert + 1
@@ -253,12 +184,11 @@ class BatchedAllToAllPrepareFinalize(_ExpertParallel):
         return WorkspaceShapes.of(**buffers)
 
     def prepare(self, hidden: torch.Tensor, topk: TopK, quantize_to: QuantFormat,
-                workspace: Workspace) -> Dispatched:
+                workspace: Workspace) -> tuple[Dispatched, BatchedRoute]:
         # 1. every rank learns whether the batch fits, before any data moves
         self._agree_capacity(topk)
         # 2. each token's row into its destinations' slots of the fixed send block
-        wire = self._wire_format(quantize_to)
-        codec = self._codec(wire)
+        wire, codec = self._wire(quantize_to)
         send_rows = self._send_rows(topk.ids)
         send = _carve(workspace["send"], self._block + 1, torch.uint8, codec.row_bytes)
         send[:, codec.columns("ids")].fill_(255)  # padding rows read expert id -1
@@ -270,17 +200,22 @@ class BatchedAllToAllPrepareFinalize(_ExpertParallel):
         recv = _carve(workspace["recv"], self._block, torch.uint8, codec.row_bytes)
         dist.all_to_all_single(recv, send[: self._block], group=self.group)
         # 4. received rows into the local experts' buffers
-        return self._scatter(codec.unpack(recv), wire, quantize_to, workspace, BatchedRoute(send_rows))
+        return self._scatter(codec.unpack(recv), wire, quantize_to, workspace), BatchedRoute(send_rows)
 
     def finalize(
-        self, output: ExpertsOutput, dispatched: Dispatched, topk: TopK, shared_output: torch.Tensor | None = None
+        self, output: ExpertsOutput, dispatched: Dispatched, route: BatchedRoute, topk: TopK,
+        shared_output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if output.kind is OutputKind.REDUCED:
             raise MoEConfigError(f"{self.name} finalize takes per-slot output; the experts declared reduced")
-        partial = _sum_local_slots(output, dispatched.slot_rows, dispatched.topk.weights)
+        # each received row's slots computed here, summed in float32, travel home in the experts' dtype;
+        # rows past an expert's count are selected away (they may hold garbage)
+        flat, rows = output.out.reshape(-1, output.out.shape[-1]), dispatched.slot_rows
+        partial = sum_over_k(flat[rows.clamp(min=0)], dispatched.topk.weights, output.kind, valid=rows >= 0)
+        partial = partial.to(flat.dtype)
         back = torch.empty_like(partial)
         dist.all_to_all_single(back, partial, group=self.group)
-        return add_shared(_gather_partials(back, dispatched.route.send_rows, self.problem.dtype), shared_output)
+        return add_shared(_gather_partials(back, route.send_rows, self.problem.dtype), shared_output)
 
     # --- steps ---------------------------------------------------------------------------------
     def _agree_capacity(self, topk: TopK) -> None:
@@ -319,8 +254,7 @@ class BatchedAllToAllPrepareFinalize(_ExpertParallel):
         base = torch.arange(sends.shape[1], device=ids.device) * self.capacity.max_tokens_per_rank
         return torch.where(sends, base + position, -1)
 
-    def _scatter(self, fields: dict, wire: QuantFormat, quantize_to: QuantFormat, workspace: Workspace,
-                 route: BatchedRoute) -> Dispatched:
+    def _scatter(self, fields: dict, wire: QuantFormat, quantize_to: QuantFormat, workspace: Workspace) -> Dispatched:
         p, rows_per_expert = self.problem, self.capacity.rows_per_expert
         ids = fields["ids"]  # [M', k], -1 on padding rows
         to_local = self._to_local.to(ids.device)
@@ -337,8 +271,7 @@ class BatchedAllToAllPrepareFinalize(_ExpertParallel):
                                   scale=_per_expert(scale, p.local_num_experts), global_scale=x.global_scale,
                                   fmt=x.fmt)
         received = TopK(torch.where(ids >= 0, ids, self.placement.skip_id), fields["weights"])
-        return ExchangedDispatched(ActivationFormat.BATCHED, batched, received, tokens_per_expert=counts,
-                                   slot_rows=slot_rows, route=route)
+        return Dispatched(ActivationFormat.BATCHED, batched, received, tokens_per_expert=counts, slot_rows=slot_rows)
 
 
 # --- helpers ---------------------------------------------------------------------------------------
@@ -361,21 +294,6 @@ def _sum_partials(back: torch.Tensor, send_tokens: torch.Tensor, send_counts, nu
         out.index_add_(0, send_tokens[block], back[block].float())
         start += count
     return out.to(dtype)
-
-
-def _sum_local_slots(output: ExpertsOutput, slot_rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``[M', H]``: for each received row, the (weighted) sum of its slots computed here, float32
-    accumulation, in the experts' output dtype. Rows past an expert's count are selected away, never
-    multiplied by 0 (they may hold garbage)."""
-    flat = output.out.reshape(-1, output.out.shape[-1])
-    acc = torch.zeros(slot_rows.shape[0], flat.shape[-1], dtype=torch.float32, device=flat.device)
-    for j in range(slot_rows.shape[1]):
-        rows = slot_rows[:, j : j + 1]
-        value = flat[rows.squeeze(1).clamp(min=0)].float()
-        if output.kind is OutputKind.PER_SLOT:
-            value = value * weights[:, j : j + 1]
-        acc += torch.where(rows >= 0, value, 0.0)
-    return acc.to(flat.dtype)
 
 
 def _gather_partials(back: torch.Tensor, send_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

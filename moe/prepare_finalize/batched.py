@@ -3,7 +3,8 @@
 T, the rows per expert, is fixed at construction (``max_tokens_per_expert``, default the problem's
 ``max_tokens``, which always suffices since a token picks an expert at most once). Shapes never depend
 on routing data, so the experts' launch is CUDA-graph friendly; the capacity check itself reads the
-largest count on the host.
+largest count on the host. The expert map prepare reads (global id -> local id) is built at
+construction on the CPU, and on another device by `load` (which `moe.ModularKernel` calls).
 """
 
 from __future__ import annotations
@@ -12,35 +13,17 @@ import torch
 
 from moe.errors import MoEConfigError
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
-from moe.prepare_finalize.base import PrepareFinalize, Ranks, Transport, combine_slots
-from moe.prepare_finalize.local import QUANTIZABLE, quantize_activations
+from moe.prepare_finalize.base import QUANTIZABLE, PrepareFinalize, Ranks, Transport, add_shared, batch_slots
+from moe.prepare_finalize.combine import sum_over_k
 from moe.problem import MoEProblem
-from moe.quant import QuantFormat, QuantizedTensor
+from moe.quant import QuantFormat, QuantizedTensor, quantize_activations, row_layout
 from moe.registry import register_prepare_finalize
 from moe.router import TopK
 from moe.workspace import Workspace, WorkspaceShapes
 
 
-def batch_slots(local_ids: torch.Tensor, num_local: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Places each (token, slot) in its expert's buffer, in token order; no host sync.
-
-    ``local_ids [M, k]`` (local expert ids, -1: not here) -> (``slot_rows [M, k]`` int64 row in the
-    flattened ``[num_local * capacity]`` buffer or -1, ``tokens_per_expert [num_local]`` int32).
-    A count above ``capacity`` leaves rows past the buffer; callers check the counts first.
-    """
-    key = torch.where(local_ids >= 0, local_ids, num_local).flatten().long()  # not here: a last bucket
-    order = key.argsort(stable=True)
-    counts = torch.zeros(num_local + 1, dtype=key.dtype, device=key.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))  # bincount would read its size on the host
-    sorted_key = key[order]
-    position = torch.arange(key.numel(), device=key.device) - (counts.cumsum(0) - counts)[sorted_key]
-    rows = torch.full_like(key, -1)
-    rows[order] = torch.where(sorted_key < num_local, sorted_key * capacity + position, -1)
-    return rows.view_as(local_ids), counts[:num_local].to(torch.int32)
-
-
 @register_prepare_finalize
-class BatchedPrepareFinalize(PrepareFinalize):
+class BatchedPrepareFinalize(PrepareFinalize[None]):
     name = "batched"
     transport = Transport(ActivationFormat.BATCHED, QUANTIZABLE, ranks=frozenset({Ranks.ONE}))
 
@@ -50,34 +33,30 @@ class BatchedPrepareFinalize(PrepareFinalize):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
             raise MoEConfigError(f"max_tokens_per_expert must be a positive int (got {capacity!r})")
         self.capacity = capacity
-        # the expert map on each device prepare has seen: built on the first call there, not per call
-        self._expert_maps: dict[torch.device, torch.Tensor] = {}
-        self._row_layout = _row_probe(problem)
+        self._buffers = _expert_buffers(problem, capacity)
+        self.load("cpu")
+
+    def load(self, device: torch.device | str) -> None:
+        """Builds the expert map, int32 ``[E]`` (global id -> local id, -1 elsewhere), on ``device``."""
+        p = self.problem
+        self._expert_map = p.parallel.global_to_local_tensor(p.num_experts, device)
 
     def dispatch_shape(self, num_tokens: int) -> DispatchShape:
         return DispatchShape(ActivationFormat.BATCHED, self.capacity)
 
     def workspace_shapes(self, num_tokens: int) -> WorkspaceShapes:
-        return _expert_buffers(self.problem, self.capacity, self._row_layout)
+        return self._buffers  # T rows per expert whatever M is
 
     @classmethod
     def declared_workspace(cls, problem: MoEProblem) -> tuple[DispatchShape, WorkspaceShapes]:
         capacity = problem.max_tokens  # the default max_tokens_per_expert
-        return DispatchShape(ActivationFormat.BATCHED, capacity), _expert_buffers(problem, capacity, _row_probe(problem))
-
-    def _expert_map(self, device: torch.device) -> torch.Tensor:
-        """int32 ``[E]`` on ``device``: global id -> local id, -1 elsewhere (copied there once)."""
-        if device not in self._expert_maps:
-            p = self.problem
-            self._expert_maps[device] = p.parallel.global_to_local_tensor(p.num_experts, device)
-        return self._expert_maps[device]
+        return DispatchShape(ActivationFormat.BATCHED, capacity), _expert_buffers(problem, capacity)
 
     def prepare(
         self, hidden: torch.Tensor, topk: TopK, quantize_to: QuantFormat, workspace: Workspace
-    ) -> Dispatched:
+    ) -> tuple[Dispatched, None]:
         p = self.problem
-        slot_rows, counts = batch_slots(self._expert_map(hidden.device)[topk.ids.long()], p.local_num_experts,
-                                        self.capacity)
+        slot_rows, counts = batch_slots(self._local_ids(topk), p.local_num_experts, self.capacity)
         largest = int(counts.max()) if counts.numel() else 0
         if largest > self.capacity:
             raise MoEConfigError(
@@ -94,29 +73,32 @@ class BatchedPrepareFinalize(PrepareFinalize):
             scale = workspace["x_scale"]
             scale.view(-1, scale.shape[-1])[dest] = q.scale[src]
         batched = QuantizedTensor(data=x, scale=scale, global_scale=q.global_scale, fmt=q.fmt)
-        return Dispatched(ActivationFormat.BATCHED, batched, topk, tokens_per_expert=counts, slot_rows=slot_rows)
+        return Dispatched(ActivationFormat.BATCHED, batched, topk, tokens_per_expert=counts, slot_rows=slot_rows), None
 
     def finalize(
-        self, output: ExpertsOutput, dispatched: Dispatched, topk: TopK, shared_output: torch.Tensor | None = None
+        self, output: ExpertsOutput, dispatched: Dispatched, route: None, topk: TopK,
+        shared_output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if output.kind is OutputKind.REDUCED:
             raise MoEConfigError("batched finalize takes per-slot output; experts declared reduced")
-        flat = output.out.reshape(-1, output.out.shape[-1])
-        rows = dispatched.slot_rows
-        per_slot = torch.where((rows >= 0).unsqueeze(-1), flat[rows.clamp(min=0)], 0)
-        return combine_slots(per_slot, topk, output.kind, self.problem.dtype, shared_output)
+        flat, rows = output.out.reshape(-1, output.out.shape[-1]), dispatched.slot_rows
+        out = sum_over_k(flat[rows.clamp(min=0)], topk.weights, output.kind, valid=rows >= 0)
+        return add_shared(out, shared_output).to(self.problem.dtype)
+
+    def _local_ids(self, topk: TopK) -> torch.Tensor:
+        if self._expert_map.device != topk.ids.device:
+            raise MoEConfigError(
+                f"{self.name}: the tokens are on {topk.ids.device} but the expert map was built for "
+                f"{self._expert_map.device}; call load({str(topk.ids.device)!r}) first (a ModularKernel "
+                "does it for its device)"
+            )
+        return self._expert_map[topk.ids.long()]
 
 
-def _row_probe(problem: MoEProblem) -> QuantizedTensor:
-    """One row in the activation format: its data and scale layout, read off a tiny quantization."""
-    return quantize_activations(torch.ones(1, problem.hidden_size, dtype=problem.dtype), problem.quant.activation)
-
-
-def _expert_buffers(problem: MoEProblem, capacity: int, probe: QuantizedTensor) -> WorkspaceShapes:
-    """The dispatched activations are the experts' input: ``[E_local, T, H(/2 packed)]`` + row scales,
-    laid out like ``probe``, one row quantized to the activation format."""
-    e_local = problem.local_num_experts
-    buffers = {"x": ((e_local, capacity, probe.data.shape[-1]), probe.data.dtype)}
-    if probe.scale is not None and probe.scale.dim() > 0:
-        buffers["x_scale"] = ((e_local, capacity, probe.scale.shape[-1]), probe.scale.dtype)
+def _expert_buffers(problem: MoEProblem, capacity: int) -> WorkspaceShapes:
+    """The dispatched activations are the experts' input: ``[E_local, T, H(/2 packed)]`` + row scales."""
+    row, e_local = row_layout(problem.quant.activation, problem.hidden_size, problem.dtype), problem.local_num_experts
+    buffers = {"x": ((e_local, capacity, row.data_columns), row.data_dtype)}
+    if row.scale_columns:
+        buffers["x_scale"] = ((e_local, capacity, row.scale_columns), row.scale_dtype)
     return WorkspaceShapes.of(**buffers)

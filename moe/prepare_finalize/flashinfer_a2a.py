@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import socket
 import warnings
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -34,20 +35,17 @@ import torch.distributed as dist
 
 from moe.errors import MoEConfigError, UnsupportedError
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
-from moe.parallel import (
+from moe.platform import Platform, missing_library_reason
+from moe.prepare_finalize._ep import (
     EPCapacity,
-    ExpertPlacement,
+    ExpertParallelPrepareFinalize,
     RowCodec,
     arrived_activations,
-    comm_device,
-    local_expert_ids,
-    process_group,
     token_payloads,
     wire_format,
 )
-from moe.prepare_finalize.all_to_all import ExchangedDispatched
-from moe.prepare_finalize.base import PrepareFinalize, Ranks, Transport, add_shared
-from moe.prepare_finalize.local import QUANTIZABLE
+from moe.prepare_finalize.base import QUANTIZABLE, Ranks, Transport, add_shared
+from moe.prepare_finalize.combine import sum_over_k
 from moe.problem import MoEProblem
 from moe.quant import QuantFormat
 from moe.registry import register_prepare_finalize
@@ -71,26 +69,29 @@ def dispatch_bytes_per_token(problem: MoEProblem) -> int:
                for fmt in {QuantFormat.NONE, p.quant.activation})
 
 
+@dataclass(frozen=True)
+class FlashInferRoute:
+    """What finalize needs of a dispatch: the kernel keeps its own record of where rows went."""
+
+    num_tokens: int  # M, this rank's tokens: the rows combine returns that are real (an idle rank sent one dummy)
+
+
 @register_prepare_finalize
-class FlashInferAllToAllPrepareFinalize(PrepareFinalize):
+class FlashInferAllToAllPrepareFinalize(ExpertParallelPrepareFinalize[FlashInferRoute]):
     name = "flashinfer_a2a"
     transport = Transport(ActivationFormat.STANDARD, QUANTIZABLE, ranks=frozenset({Ranks.EXPERT_PARALLEL}),
                           devices=frozenset({"cuda"}), runs_on="CUDA GPUs of one host joined by NVLink",
                           libraries=("flashinfer",), max_ranks=MAX_RANKS, max_top_k=MAX_TOP_K, expert_map=False)
 
     def __init__(self, problem: MoEProblem, *, max_prefill_tokens: int | None = None):
-        super().__init__(problem)
-        self.capacity = EPCapacity(problem.parallel.ep_size, problem.max_tokens, None, max_prefill_tokens)
+        capacity = EPCapacity(problem.parallel.ep_size, problem.max_tokens, None, max_prefill_tokens)
         reasons = self.check(problem, None)
         if reasons:
             raise UnsupportedError(f"{self.name} cannot serve this problem", reasons)
-        self.group = process_group(problem.parallel, self.name)
+        super().__init__(problem, capacity)
         comm = _flashinfer_comm()
         _require_one_host(self.group)
-        self.placement = ExpertPlacement.gather(problem, self.group)
-        device = comm_device(self.group)  # the current GPU (NCCL group)
-        self._to_local = torch.tensor(self.placement.to_local, dtype=torch.int64, device=device)
-        self._first_local = local_expert_ids(problem.parallel, problem.num_experts)[0]
+        self._first_local = self.placement.to_local.index(0)  # the global id of this rank's local expert 0
         self._a2a = self._build(comm)
 
     def _build(self, comm: SimpleNamespace):
@@ -105,20 +106,12 @@ class FlashInferAllToAllPrepareFinalize(PrepareFinalize):
                                     workspace_size_per_rank=size,
                                     mnnvl_config=comm.MnnvlConfig(comm_backend=comm.TorchDistBackend(self.group)))
 
-    @property
-    def num_dispatchers(self) -> int:
-        return self.problem.parallel.ep_size
-
-    @property
-    def max_tokens_per_rank(self) -> int:
-        return self.capacity.max_tokens_per_rank
-
     def dispatch_shape(self, num_tokens: int) -> DispatchShape:
         return DispatchShape(ActivationFormat.STANDARD, self.capacity.rows_arriving)
 
     def prepare(self, hidden: torch.Tensor, topk: TopK, quantize_to: QuantFormat,
-                workspace: Workspace) -> Dispatched:
-        wire = wire_format(self.problem, quantize_to)
+                workspace: Workspace) -> tuple[Dispatched, FlashInferRoute]:
+        wire, _ = self._wire(quantize_to)
         payloads, route = token_payloads(hidden, topk, wire), topk.ids
         if hidden.shape[0] == 0:
             payloads, route = self._dummy_token(payloads)
@@ -129,39 +122,28 @@ class FlashInferAllToAllPrepareFinalize(PrepareFinalize):
         fields = {n: r.reshape(-1, r.shape[-1]) for n, r in zip(names, received)}
         here = self._to_local[fields["ids"].long()] >= 0
         x = arrived_activations(fields, wire, quantize_to, valid=here.any(1, keepdim=True))
-        return ExchangedDispatched(ActivationFormat.STANDARD, x, TopK(fields["ids"], fields["weights"]),
-                                   route=hidden.shape[0])
+        return Dispatched(ActivationFormat.STANDARD, x, TopK(fields["ids"], fields["weights"])), FlashInferRoute(
+            hidden.shape[0])
 
     def finalize(
-        self, output: ExpertsOutput, dispatched: Dispatched, topk: TopK, shared_output: torch.Tensor | None = None
+        self, output: ExpertsOutput, dispatched: Dispatched, route: FlashInferRoute, topk: TopK,
+        shared_output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         p, rows = self.problem, dispatched.num_rows
         if output.kind is OutputKind.REDUCED:
             partial = output.out[:rows]
-        else:
+        else:  # this rank's slots of each row, weighted and summed here; other ranks' slots may be garbage
             here = self._to_local[dispatched.topk.ids.long()] >= 0
-            partial = _sum_slots_here(output.out[:rows], output.kind, here, dispatched.topk.weights)
+            partial = sum_over_k(output.out[:rows], dispatched.topk.weights, output.kind, valid=here)
         payload = partial.to(p.dtype).view(p.parallel.ep_size, self.max_tokens_per_rank, p.hidden_size)
         combined = self._a2a.combine(payload, self.max_tokens_per_rank)
-        return add_shared(combined[: dispatched.route].clone(), shared_output)
+        return add_shared(combined[: route.num_tokens].clone(), shared_output)
 
     def _dummy_token(self, payloads: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         dummy = {name: t.new_zeros(1, t.shape[-1]) for name, t in payloads.items()}
         dummy["ids"].fill_(self.placement.skip_id)
         route = torch.full_like(dummy["ids"], self._first_local)
         return dummy, route
-
-
-def _sum_slots_here(out: torch.Tensor, kind: OutputKind, here: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``[M', H]`` float32: each row's slots computed on this rank, weighted unless already weighted.
-    Slots of other ranks are selected away, never multiplied by 0 (they may hold garbage)."""
-    acc = torch.zeros(out.shape[0], out.shape[-1], dtype=torch.float32, device=out.device)
-    for j in range(out.shape[1]):
-        value = out[:, j].float()
-        if kind is OutputKind.PER_SLOT:
-            value = value * weights[:, j : j + 1]
-        acc += torch.where(here[:, j : j + 1], value, 0.0)
-    return acc
 
 
 def _flashinfer_comm() -> SimpleNamespace:

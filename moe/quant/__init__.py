@@ -1,7 +1,8 @@
 """Quantization formats and schemes, and quantize/dequantize in plain torch (CPU and GPU).
 
 - scheme.py   `QuantFormat` (one tensor), `QuantScheme` (weight x activation pair), scheme names
-- tensor.py   `QuantizedTensor`, `quantize(x, fmt, role)`, `dequantize(q, dtype)`
+- tensor.py   `QuantizedTensor`, `quantize(x, fmt, role)`, `dequantize(q, dtype)`,
+              `quantize_activations(hidden, fmt)`, `row_layout(fmt, H, dtype)` -> `RowLayout`
 - fp8.py      e4m3 with fp32 scales: per tensor / row / 128x128 block / 1x128 group
 - fp4.py      e2m1 encode/decode and two-per-byte packing
 - mx.py       e8m0 scale bytes, MXFP8, MXFP4 (32 elements per scale)
@@ -32,7 +33,7 @@ from moe.quant.mx import (
 )
 from moe.quant.nvfp4 import dequantize_nvfp4, nvfp4_global_scale, quantize_nvfp4
 from moe.quant.scheme import SCHEME_NAMES, SCHEME_PAIRS, UNQUANTIZED, QuantFormat, QuantScheme
-from moe.quant.tensor import QuantizedTensor, dequantize, quantize
+from moe.quant.tensor import QuantizedTensor, RowLayout, dequantize, quantize, quantize_activations, row_layout
 
 __all__ = [
     "SCHEME_NAMES",
@@ -41,6 +42,7 @@ __all__ = [
     "QuantFormat",
     "QuantScheme",
     "QuantizedTensor",
+    "RowLayout",
     "decode_e2m1",
     "dequantize",
     "dequantize_fp8_blockwise",
@@ -57,6 +59,7 @@ __all__ = [
     "nvfp4_global_scale",
     "pack_e2m1",
     "quantize",
+    "quantize_activations",
     "quantize_fp8_blockwise",
     "quantize_fp8_groupwise",
     "quantize_fp8_per_tensor",
@@ -64,5 +67,6 @@ __all__ = [
     "quantize_mxfp4",
     "quantize_mxfp8",
     "quantize_nvfp4",
+    "row_layout",
     "unpack_e2m1",
 ]

@@ -1,4 +1,6 @@
-"""`QuantizedTensor` and the generic `quantize` / `dequantize` that dispatch on its `QuantFormat`.
+"""`QuantizedTensor` and the generic `quantize` / `dequantize` that dispatch on its `QuantFormat`;
+`quantize_activations` (the hot path's form of `quantize`) and `row_layout` (one activation row's
+columns and dtypes in a format, computed without quantizing anything).
 
 The numerics live in the per-format modules (fp8.py, mx.py, nvfp4.py, fp4.py); this module only
 picks one by format and role and records the result. Scale shapes by role::
@@ -48,6 +50,17 @@ _STORAGE_DTYPES = {
     QuantFormat.MXFP4: (torch.uint8, torch.uint8),
     QuantFormat.NVFP4: (torch.uint8, E4M3_DTYPE),
 }
+# An activation row's scales: one per group of this many elements along K (the last group may be
+# short), or one for the whole row (None). FP8_TENSOR has none per row: its scale covers the batch.
+_ROW_SCALE_GROUP = {
+    QuantFormat.FP8_ROW: None,
+    QuantFormat.FP8_BLOCK: fp8.FP8_GROUP_SIZE,
+    QuantFormat.MXFP8: mx.MX_BLOCK,
+    QuantFormat.MXFP4: mx.MX_BLOCK,
+    QuantFormat.NVFP4: nvfp4.NVFP4_BLOCK,
+}
+# Formats with a scale computed over the whole batch: FP8_TENSOR's only scale, NVFP4's global one.
+_BATCH_SCALED = frozenset({QuantFormat.FP8_TENSOR, QuantFormat.NVFP4})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +135,59 @@ def quantize(
         assert fmt is QuantFormat.NVFP4, fmt
         data, scale, global_scale = nvfp4.quantize_nvfp4(x, batch_dims, **finite)
     return QuantizedTensor(data=data, scale=scale, global_scale=global_scale, fmt=fmt, role=role)
+
+
+def quantize_activations(hidden: torch.Tensor, fmt: QuantFormat) -> QuantizedTensor:
+    """``hidden [M, H]`` in ``fmt`` (unchanged for NONE); M = 0 gives empty data and scales."""
+    if fmt is QuantFormat.NONE:
+        return QuantizedTensor(data=hidden, scale=None, global_scale=None, fmt=fmt)
+    # no NaN scan here: it would sync the host on every call, and a NaN still shows in the output
+    return quantize(hidden, fmt, role="activation", check_finite=False)
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How `quantize_activations` stores one row of H activations: what a buffer of rows needs.
+
+    Example: FP8_BLOCK at H=4096 -> 4096 e4m3 data columns, 32 float32 scale columns; NVFP4 at H=4096
+    -> 2048 uint8 data columns (two e2m1 per byte), 256 e4m3 scale columns and ``batch_scale`` (its
+    fp32 global scale is computed over the whole batch); FP8_TENSOR -> no per-row scale columns.
+    """
+
+    data_columns: int  # payload elements per row: H, or H/2 for packed fp4
+    data_dtype: torch.dtype  # the activations' own dtype for NONE
+    scale_columns: int  # per-row scale elements; 0 when the format keeps no scale per row
+    scale_dtype: torch.dtype | None  # None exactly when scale_columns == 0
+    batch_scale: bool  # a scale taken over the whole batch (FP8_TENSOR's, NVFP4's global scale)
+
+    @property
+    def row_scaled(self) -> bool:
+        """True when quantized with scales of single rows only: a row's bytes do not depend on the
+        other rows of its batch, so a row can be quantized anywhere (fp8 per token or group, MX)."""
+        return self.scale_columns > 0 and not self.batch_scale
+
+
+def row_layout(fmt: QuantFormat, hidden_size: int, dtype: torch.dtype) -> RowLayout:
+    """The `RowLayout` of ``[M, hidden_size]`` activations of ``dtype`` in ``fmt``, computed from the
+    format's declaration alone. Raises `MoEConfigError` where `quantize` would refuse the row size."""
+    fmt = QuantFormat.parse(fmt)
+    if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size <= 0:
+        raise MoEConfigError(f"hidden_size must be a positive int (got {hidden_size!r})")
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise MoEConfigError(f"dtype: activations must have a floating-point torch.dtype (got {dtype!r})")
+    if hidden_size % fmt.k_multiple:
+        raise MoEConfigError(
+            f"hidden_size: {fmt.value} stores rows of a multiple of {fmt.k_multiple} elements "
+            f"(got {hidden_size}); pad H to a multiple of {fmt.k_multiple}"
+        )
+    if fmt is QuantFormat.NONE:
+        return RowLayout(hidden_size, dtype, 0, None, batch_scale=False)
+    data_dtype, scale_dtype = _STORAGE_DTYPES[fmt]
+    data_columns = hidden_size // 2 if fmt.is_packed_fp4 else hidden_size
+    if fmt not in _ROW_SCALE_GROUP:
+        return RowLayout(data_columns, data_dtype, 0, None, batch_scale=fmt in _BATCH_SCALED)
+    group = _ROW_SCALE_GROUP[fmt] or hidden_size
+    return RowLayout(data_columns, data_dtype, -(-hidden_size // group), scale_dtype, fmt in _BATCH_SCALED)
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -6,7 +6,7 @@
 - ``assert_close_moe`` / ``regime_for`` / ``tolerance_for`` / ``TOLERANCES``: the tolerance regimes (the
   table: ``moe/tolerance.py``).
 - ``random_weights`` / ``random_inputs``: seeded inputs for a problem.
-- ``python -m moe.testing.docs``: regenerates the support table of docs/writing-a-backend.md.
+- ``python -m moe.tools.docs``: regenerates the support table of docs/writing-a-backend.md.
 """
 
 from moe.testing.cases import Case, ExclusionCase, exclusion_cases, experts_cases, prepare_finalize_cases

@@ -7,16 +7,20 @@
 
 ``check_experts`` reads the class's ``capabilities`` and nothing else, and checks, in order:
 
-1. the declaration is consistent (known quant pairs, no reduced output in the batched format, ...);
-2. everything the declaration excludes is refused: ``check`` gives reasons and construction raises
-   ``UnsupportedError``; composing with an undeclared format fails;
-3. every declared problem (see ``moe.testing.cases``) at M = 0, 1 and odd sizes, with and without
-   biases and expert maps where declared, against ``ModularKernel(LocalPrepareFinalize(p),
+1. the declaration is consistent (known schemes and activations, no reduced output in the batched
+   format, ...);
+2. everything the declaration excludes, per mode, is refused: ``check`` gives reasons and construction
+   raises ``UnsupportedError``; composing with an undeclared format fails; ``check`` refuses a GPU
+   outside a mode's architectures;
+3. every problem the modes declare (see ``moe.testing.cases``) at M = 0, 1 and odd sizes, with and
+   without biases and expert maps where declared, against ``ModularKernel(LocalPrepareFinalize(p),
    ReferenceExperts(p))`` under the named tolerance regimes, inside a poisoned workspace of exactly
    the declared shapes; output kind, shape and placement as declared; determinism; and on CUDA no
-   allocation outside the workspace, no host sync and CUDA-graph capture where declared safe.
+   allocation outside the workspace, no host sync and CUDA-graph capture where declared safe. A
+   declared problem that ``check`` refuses is a failure (``mode``).
 
-Problems this platform cannot run (the class's own ``check`` reasons) are skipped, with the reasons.
+Problems this platform cannot run (the class's own ``check`` reasons given the platform) are skipped,
+with the reasons.
 """
 
 from __future__ import annotations
@@ -25,21 +29,18 @@ import inspect
 
 from moe.activation import ActivationKind
 from moe.errors import MoEConfigError, UnsupportedError
-from moe.experts.base import ALL_DTYPES, Capabilities, Experts
+from moe.experts.base import ALL_DTYPES, Capabilities, Experts, Mode
 from moe.formats import ActivationFormat, OutputKind
 from moe.compose import composition_problems
 from moe.kernel import ModularKernel
 from moe.platform import Platform
 from moe.prepare_finalize.base import PrepareFinalize
-from moe.quant import SCHEME_PAIRS, QuantFormat
+from moe.quant import QuantFormat
 from moe.testing.cases import ExclusionCase, check_mode, exclusion_cases, experts_cases, prepare_finalize_cases
 from moe.testing.diagnose import describe_exception
 from moe.testing.experts_run import PREPARE_FINALIZE_FOR, run_experts_case
 from moe.testing.pf_run import run_prepare_finalize_case
 from moe.testing.report import CaseResult, ConformanceReport, Failure
-
-_DIMENSIONS = ("hidden_size", "intermediate_size")
-
 
 def check_experts(experts_cls: type[Experts], platform: Platform | None = None, cases: str = "quick") -> ConformanceReport:
     """Runs ``experts_cls`` through every problem its capabilities declare; returns the report."""
@@ -99,27 +100,37 @@ def _class_problems(cls: type) -> list[str]:
 
 def _capability_problems(cap: Capabilities) -> list[str]:
     problems = []
-    for field, values, universe in (
-        ("formats", cap.formats, set(ActivationFormat)),
-        ("quant", cap.quant, SCHEME_PAIRS),
-        ("activations", cap.activations, set(ActivationKind)),
-        ("dtypes", cap.dtypes, ALL_DTYPES),
-    ):
-        if not values:
-            problems.append(f"capabilities.{field} is empty: the class could serve nothing")
-        unknown = [v for v in values if v not in universe]
-        if unknown:
-            problems.append(f"capabilities.{field} holds unknown values {unknown}; known: {sorted(map(str, universe))}")
+    if not cap.formats or any(f not in set(ActivationFormat) for f in cap.formats):
+        problems.append(f"capabilities.formats must be a non-empty set of ActivationFormat (got {set(cap.formats)})")
+    if not cap.modes:
+        problems.append("capabilities.modes is empty: the class could serve nothing")
+    for scheme, mode in cap.modes.items():
+        problems += [f"capabilities.modes[{scheme.name!r}]: {p}" for p in _mode_problems(mode)]
     if not isinstance(cap.output, OutputKind):
         problems.append(f"capabilities.output must be an OutputKind (got {cap.output!r})")
     elif ActivationFormat.BATCHED in cap.formats and cap.output is OutputKind.REDUCED:
         problems.append("capabilities declare the batched format with output=reduced, which the batched format "
                         "cannot carry (it has no [M, H] rows); batched experts return per_slot or per_slot_weighted")
-    for dim, multiple in cap.alignment.items():
-        if dim not in _DIMENSIONS or not isinstance(multiple, int) or multiple < 1:
-            problems.append(f"capabilities.alignment[{dim!r}]={multiple!r}: keys are {_DIMENSIONS}, values positive ints")
     if cap.max_tokens is not None and cap.max_tokens < 1:
         problems.append(f"capabilities.max_tokens must be None or >= 1 (got {cap.max_tokens})")
+    return problems
+
+
+def _mode_problems(mode: object) -> list[str]:
+    if not isinstance(mode, Mode):
+        return [f"must be a moe.experts.base.Mode (got {type(mode).__name__})"]
+    problems = []
+    for field, values, universe in (("activations", mode.activations, set(ActivationKind)),
+                                    ("dtypes", mode.dtypes, ALL_DTYPES)):
+        if not values:
+            problems.append(f"{field} is empty: the mode could serve nothing")
+        unknown = [v for v in values if v not in universe]
+        if unknown:
+            problems.append(f"{field} holds unknown values {unknown}; known: {sorted(map(str, universe))}")
+    for field in ("h_align", "i_align", "i_align_nongated"):
+        value = getattr(mode, field)
+        if not (value is None and field == "i_align_nongated") and (not isinstance(value, int) or value < 1):
+            problems.append(f"{field}={value!r} must be a positive int")
     return problems
 
 
@@ -137,19 +148,22 @@ def prepare_finalize_declaration_problems(cls: type) -> list[str]:
 
 # --- what the declaration excludes -----------------------------------------------------------------
 def run_exclusion_case(experts_cls: type[Experts], case: ExclusionCase) -> CaseResult:
-    """``check`` must reject the problem and construction must raise UnsupportedError (or, for a
-    format case, composing with that format's prepare/finalize must raise MoEConfigError)."""
+    """``check`` must reject the problem (on the case's platform, if it names one) and construction
+    must raise UnsupportedError (or, for a format case, composing with that format's prepare/finalize
+    must raise MoEConfigError)."""
     result = CaseResult(runs=1)
     fail = lambda message: result.failures.append(Failure("exclusion", case.label, message, case.problem))  # noqa: E731
     if case.format is not None:
         return _format_exclusion(experts_cls, case, result, fail)
     try:
-        reasons = experts_cls.check(case.problem, None)
+        reasons = experts_cls.check(case.problem, case.platform)
     except Exception as error:  # noqa: BLE001
         fail(f"check() raised {describe_exception(error)} instead of returning reasons")
         return result
     if not reasons:
         fail(f"check() returned no reasons for a problem with {case.excluded}, which the capabilities exclude")
+    if case.platform is not None:
+        return result  # construction checks the problem alone
     try:
         experts_cls(case.problem)
     except Exception as error:  # noqa: BLE001 -- the type of the error is what is checked

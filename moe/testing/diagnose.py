@@ -40,13 +40,13 @@ def within(out: torch.Tensor, ref: torch.Tensor, bound: float) -> bool:
     return out.shape == ref.shape and relative_error(out.float(), ref.float()) <= bound
 
 
-def output_kind_hint(pf: PrepareFinalize, output: ExpertsOutput, dispatched: Dispatched, topk: TopK,
-                     ref: torch.Tensor, bound: float) -> str | None:
+def output_kind_hint(pf: PrepareFinalize, output: ExpertsOutput, dispatched: Dispatched, route: object,
+                     topk: TopK, ref: torch.Tensor, bound: float) -> str | None:
     other = _OTHER_PER_SLOT.get(output.kind)
     if other is None:
         return None
     try:
-        reread = pf.finalize(ExpertsOutput(other, output.out), dispatched, topk)
+        reread = pf.finalize(ExpertsOutput(other, output.out), dispatched, route, topk)
     except Exception:  # noqa: BLE001 -- a hint that cannot be computed is no hint
         return None
     if not within(reread, ref, bound):

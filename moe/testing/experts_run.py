@@ -1,6 +1,7 @@
 """Runs one conformance case of an Experts class: every token count, every contract.
 
-Per case: construct, compose with the prepare/finalize of the case's format (``local`` for standard,
+A case is a problem the class's modes declare served, so ``check(problem, None)`` refusing it is a
+failure (``mode``: the declaration is wrong); only what the platform lacks skips it. Per case: construct, compose with the prepare/finalize of the case's format (``local`` for standard,
 ``batched`` for batched), prepare random weights; check ``workspace_shapes`` is monotone up to
 ``max_tokens`` (what ``ModularKernel.reserve`` relies on); then per token count M:
 
@@ -20,7 +21,7 @@ and the call must capture into a CUDA graph and replay to the same result.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from moe.platform import Platform
 from moe.prepare_finalize import BatchedPrepareFinalize, LocalPrepareFinalize
 from moe.router import TopK
 from moe.testing import cuda_checks, diagnose
-from moe.testing.cases import Case, describe, problem_variants
+from moe.testing.cases import Case
 from moe.testing.inputs import random_inputs, random_weights, seeded_generator
 from moe.testing.poison import PoisonedWorkspace
 from moe.testing.report import CaseResult, Failure
@@ -54,6 +55,7 @@ def device_reasons(platform: Platform) -> list[str]:
 @dataclass
 class _Attempt:
     dispatched: Dispatched
+    route: Any  # prepare's record of how the rows travelled, for finalize
     poisoned: PoisonedWorkspace
     output: Any = None
 
@@ -75,9 +77,15 @@ class ExpertsRun:
 
     # --- orchestration ---------------------------------------------------------------------------
     def run(self) -> CaseResult:
+        refused = self.cls.check(self.problem, None)
+        if refused:
+            self.fail("mode", f"check() refuses a problem the capabilities' modes declare served: {'; '.join(refused)}; "
+                      "declare each mode as the class serves it (alignment, activations, dtypes, bias, expert layout)")
+            return self.result
         reasons = self.cls.check(self.problem, self.platform) + device_reasons(self.platform)
         if reasons:
-            return self._run_variant(reasons)
+            self.result.skipped = tuple(reasons)
+            return self.result
         if not self._build():
             return self.result
         self._check_upper_bound()
@@ -89,18 +97,6 @@ class ExpertsRun:
         largest = max(self.case.token_counts)
         if largest and not self.result.failures:
             self._repeat_contracts(largest)
-        return self.result
-
-    def _run_variant(self, reasons: list[str]) -> CaseResult:
-        """Runs the first nearby problem ``check`` accepts (see ``problem_variants``), else skips."""
-        if not device_reasons(self.platform):
-            for variant in problem_variants(self.cls.capabilities, self.problem):
-                if not self.cls.check(variant, self.platform):
-                    result = ExpertsRun(self.cls, replace(self.case, problem=variant), self.platform).run()
-                    result.notes.append(f"ran as {describe(variant)}: check() refused {describe(self.problem)} "
-                                        f"({'; '.join(reasons)})")
-                    return result
-        self.result.skipped = tuple(reasons)
         return self.result
 
     def _build(self) -> bool:
@@ -143,9 +139,9 @@ class ExpertsRun:
         """Prepared inputs, and a poisoned workspace declared for M (or for ``bucket`` tokens)."""
         pf, m = self.kernel.prepare_finalize, hidden.shape[0]
         pf_space = WorkspaceManager(self.device).take(pf.workspace_shapes(m), caller=pf.name)
-        dispatched = pf.prepare(hidden, topk, self.kernel.quantize_to, pf_space)
+        dispatched, route = pf.prepare(hidden, topk, self.kernel.quantize_to, pf_space)
         shapes = self.kernel.experts.workspace_shapes(pf.dispatch_shape(m if bucket is None else bucket))
-        return _Attempt(dispatched, PoisonedWorkspace(shapes, self.device))
+        return _Attempt(dispatched, route, PoisonedWorkspace(shapes, self.device))
 
     def _apply(self, attempt: _Attempt) -> Any:
         return self.kernel.experts.apply(attempt.dispatched, self.weights, attempt.poisoned.workspace)
@@ -190,14 +186,15 @@ class ExpertsRun:
 
     def _compare(self, attempt: _Attempt, hidden: torch.Tensor, topk: TopK, ref: torch.Tensor) -> None:
         pf, m = self.kernel.prepare_finalize, hidden.shape[0]
-        out = pf.finalize(attempt.output, attempt.dispatched, topk)
+        out = pf.finalize(attempt.output, attempt.dispatched, attempt.route, topk)
         err = relative_error(out.float(), ref.float())
         if err <= self.tolerance.bound:
             return
         message = f"output differs from the reference: relative error {err:.3e} exceeds the {self.tolerance}"
         hints = [
             diagnose.nan_hint(out),
-            diagnose.output_kind_hint(pf, attempt.output, attempt.dispatched, topk, ref, self.tolerance.bound),
+            diagnose.output_kind_hint(pf, attempt.output, attempt.dispatched, attempt.route, topk, ref,
+                                      self.tolerance.bound),
             diagnose.activation_hint(self.problem, hidden, topk, self.canonical, out, self.tolerance.bound),
         ]
         self.fail("numerics", "\n".join([message] + [h for h in hints if h]), m)
@@ -218,7 +215,7 @@ class ExpertsRun:
             self.fail("apply", f"a repeated apply raised {diagnose.describe_exception(error)}", m)
 
     def _final(self, attempt: _Attempt, topk: TopK) -> torch.Tensor:
-        return self.kernel.prepare_finalize.finalize(attempt.output, attempt.dispatched, topk)
+        return self.kernel.prepare_finalize.finalize(attempt.output, attempt.dispatched, attempt.route, topk)
 
     def _check_deterministic(self, first: torch.Tensor, second: torch.Tensor, m: int) -> None:
         self.result.runs += 1

@@ -12,6 +12,7 @@ import torch
 
 from moe.problem import MoEProblem
 from moe.router import Router, TopK
+from moe.synthetic import random_dense  # noqa: F401 -- the one generator, re-exported for the kit's users
 from moe.weights import ExpertWeights
 
 
@@ -22,21 +23,9 @@ def seeded_generator(*parts: object) -> torch.Generator:
     return gen
 
 
-def random_dense(problem: MoEProblem, gen: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-    """Float32 canonical weights of the local experts, scaled so activations stay O(1)."""
-    p, e = problem, problem.local_num_experts
-    tensors = {
-        "w13": torch.randn(e, p.w13_rows, p.hidden_size, generator=gen) / p.hidden_size**0.5,
-        "w2": torch.randn(e, p.hidden_size, p.intermediate_size, generator=gen) / p.intermediate_size**0.5,
-    }
-    if p.has_bias:
-        tensors["b13"] = 0.1 * torch.randn(e, p.w13_rows, generator=gen)
-        tensors["b2"] = 0.1 * torch.randn(e, p.hidden_size, generator=gen)
-    return tensors
-
-
 def random_weights(problem: MoEProblem, gen: torch.Generator | None = None, device: torch.device | str = "cpu") -> ExpertWeights:
-    """Canonical ``ExpertWeights`` for the problem's local experts, stored in its weight format."""
+    """Canonical ``ExpertWeights`` for the problem's local experts (`moe.synthetic.random_dense`, float32
+    on the CPU), stored in its weight format, then moved to ``device``."""
     weights = ExpertWeights.from_dense(**random_dense(problem, gen), quant=problem.quant, dtype=problem.dtype)
     return weights.to(device)
 

@@ -81,14 +81,15 @@ class PrepareFinalizeRun:
         hidden, topk = random_inputs(self.problem, m, seeded_generator(self.case.label, m), self.device)
         ref = self.truth.forward(hidden, topk, validate=False)
         poisoned = PoisonedWorkspace(pf.workspace_shapes(m), self.device)
-        dispatched = pf.prepare(hidden, topk, self.kernel.quantize_to, poisoned.workspace)
-        problems = self._dispatched_problems(dispatched, topk, m)
+        prepared = pf.prepare(hidden, topk, self.kernel.quantize_to, poisoned.workspace)
+        problems = self._dispatched_problems(prepared, topk, m)
         for problem in problems:
             self.fail("dispatched", problem, m)
         if problems:
             return
+        dispatched, route = prepared
         space = WorkspaceManager(self.device).take(experts.workspace_shapes(pf.dispatch_shape(m)))
-        out = pf.finalize(experts.apply(dispatched, self.weights, space), dispatched, topk)
+        out = pf.finalize(experts.apply(dispatched, self.weights, space), dispatched, route, topk)
         for violation in poisoned.violations():
             self.fail("workspace", f"prepare/finalize wrote outside its declared workspace: {violation}", m)
         for problem in self._finalized_problems(out, hidden, poisoned, m):
@@ -100,10 +101,11 @@ class PrepareFinalizeRun:
                        f"(experts output {self.case.output.value})")
             self.fail("numerics", "\n".join(h for h in (message, diagnose.nan_hint(out)) if h), m)
 
-    def _dispatched_problems(self, dispatched: Dispatched, topk: TopK, m: int) -> list[str]:
+    def _dispatched_problems(self, prepared: object, topk: TopK, m: int) -> list[str]:
         pf, want = self.kernel.prepare_finalize, self.kernel.quantize_to
-        if not isinstance(dispatched, Dispatched):
-            return [f"prepare returned {type(dispatched).__name__}, not a Dispatched"]
+        if not (isinstance(prepared, tuple) and len(prepared) == 2 and isinstance(prepared[0], Dispatched)):
+            return [f"prepare returned {type(prepared).__name__}, not a (Dispatched, route) pair"]
+        dispatched = prepared[0]
         problems = []
         if dispatched.format is not pf.format:
             problems.append(f"prepare returned the {dispatched.format.value} format but the class declares "

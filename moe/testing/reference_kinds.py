@@ -15,6 +15,7 @@ import torch
 from moe.experts.base import Experts
 from moe.experts.reference import DenseWeights, ReferenceExperts
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
+from moe.prepare_finalize.combine import sum_over_k
 from moe.problem import MoEProblem
 from moe.workspace import Workspace, WorkspaceShapes
 
@@ -59,7 +60,7 @@ class ReducedReferenceExperts(ReferenceExperts):
     def apply(self, dispatched: Dispatched, weights: DenseWeights, workspace: Workspace) -> ExpertsOutput:
         per_slot = super().apply(dispatched, weights, workspace).out
         out = workspace["reduced"][: dispatched.num_rows]
-        torch.sum(per_slot * dispatched.topk.weights.unsqueeze(-1), dim=1, out=out)
+        sum_over_k(per_slot, dispatched.topk.weights, OutputKind.PER_SLOT, out=out)
         return ExpertsOutput(OutputKind.REDUCED, out)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moe.errors import MoEConfigError
-from moe.parallel_demo import compare_on_rank, launch_ranks
+from moe.tools.ep_demo import compare_on_rank, launch_ranks
 from moe.testing import TOLERANCES, regime_for, relative_error
 from tests.helpers import make_problem
 

@@ -129,8 +129,9 @@ def test_batched(quant):
     x = torch.randn(200, p.hidden_size, device="cuda", dtype=p.dtype)
     topk = topk_for(p, 200)
     prepare = BatchedPrepareFinalize(p, max_tokens_per_expert=200)
-    dispatched = prepare.prepare(x, topk, p.quant.activation,
-                                 WorkspaceManager("cuda").take(prepare.workspace_shapes(200)))
+    prepare.load("cuda")
+    dispatched, _ = prepare.prepare(x, topk, p.quant.activation,
+                                    WorkspaceManager("cuda").take(prepare.workspace_shapes(200)))
     experts, ref = TritonBatchedExperts(p), ReferenceExperts(p)
     out = run(experts, dispatched, experts.prepare_weights(weights))
     want = run(ref, dispatched, ref.prepare_weights(weights))

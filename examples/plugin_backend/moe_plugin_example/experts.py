@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe import Capabilities, Experts, register_experts
-from moe.activation import ActivationKind
+from moe import Capabilities, Experts, Mode, register_experts
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
 from moe.problem import MoEProblem
 from moe.quant import QuantFormat
@@ -34,8 +33,7 @@ class EinsumExperts(Experts):
     name = "plugin_einsum"
     capabilities = Capabilities(
         formats=frozenset({ActivationFormat.STANDARD}),
-        quant=frozenset(pair for pair in SCHEME_PAIRS if pair[1] is QuantFormat.NONE),
-        activations=frozenset(ActivationKind),
+        modes=Mode().serving(*(pair for pair in SCHEME_PAIRS if pair[1] is QuantFormat.NONE)),
         output=OutputKind.PER_SLOT,
     )
 

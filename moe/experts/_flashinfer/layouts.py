@@ -15,7 +15,11 @@ Worked example of the gated row orders, I = 2 (rows named by half and index)::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from moe.problem import MoEProblem
 
 EPILOGUE_TILE_M = 128  # trtllm-gen's epilogue tile; its row shuffle works on 32-row blocks then
 E4M3_ONE = 0x38  # the e4m3 byte of 1.0: fill for padded NVFP4 scales
@@ -24,6 +28,21 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # padded through their bytes (f
 
 
 # --- gate/up order and padding ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes as the model has them and as the kernel sees them (padded to its mode's alignment)."""
+
+    hidden: int
+    inter: int
+    hidden_padded: int
+    inter_padded: int
+    gated: bool
+
+    @classmethod
+    def of(cls, problem: MoEProblem, padded: tuple[int, int]) -> "Geometry":
+        return cls(problem.hidden_size, problem.intermediate_size, padded[0], padded[1], problem.activation.is_gated)
 
 
 def up_gate_rows(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -51,6 +70,19 @@ def pad_row_halves(t: torch.Tensor, half: int, dim: int = 1, fill: float | int =
     """Pads each half of a gated ``[a; b]`` along ``dim`` to ``half`` rows: ``[a, 0; b, 0]``."""
     first, second = t.chunk(2, dim=dim)
     return torch.cat([pad_dim(first, dim, half, fill), pad_dim(second, dim, half, fill)], dim=dim)
+
+
+def pad_2d(t: torch.Tensor, rows: int, cols: int, fill: float | int = 0) -> torch.Tensor:
+    """``[E, r, c]`` padded at the end to ``[E, rows, cols]``."""
+    return pad_dim(pad_dim(t, 1, rows, fill), 2, cols, fill)
+
+
+def first_gemm_rows(t: torch.Tensor, geo: Geometry, fill: int | float = 0) -> torch.Tensor:
+    """Rows of a first-GEMM tensor ``[E, R, ...]`` (weights, row scales, biases): halves padded to I',
+    then ``[up; gate]`` if gated."""
+    if not geo.gated:
+        return pad_dim(t, 1, geo.inter_padded, fill)
+    return up_gate_rows(pad_row_halves(t, geo.inter_padded, fill=fill))
 
 
 def pad_into(dst: torch.Tensor, src: torch.Tensor, fill: float | int = 0) -> torch.Tensor:

@@ -19,10 +19,11 @@ import torch
 from moe.activation import Activation, ActivationKind
 from moe.errors import UnsupportedError
 from moe.platform import Platform
+from moe.registry import LibrarySupport, register_library
 
 INSTALL_HINT = "pip install --no-deps flashinfer-python==0.7.2.post1 apache-tvm-ffi (see the Makefile)"
 
-# feature name -> (module, attribute). The names are what ModeSpec.features and Platform ask for.
+# feature name -> (module, attribute). The names are what Mode.features and Platform ask for.
 FEATURE_SOURCES = {
     "cutlass_fused_moe": ("flashinfer.fused_moe", "cutlass_fused_moe"),
     "cutlass_fused_moe_workspace_size": ("flashinfer.fused_moe", "cutlass_fused_moe_workspace_size"),
@@ -82,26 +83,6 @@ def flashinfer_moe_features() -> frozenset[str]:
     return frozenset(found)
 
 
-def platform_features(platform: Platform) -> frozenset[str]:
-    """The FlashInfer MoE features ``platform`` has: probed by ``Platform.detect`` (with
-    ``flashinfer_moe_features``), declared by a preset."""
-    if not platform.has_library("flashinfer"):
-        return frozenset()
-    return platform.features_of("flashinfer")
-
-
-def missing_feature_reasons(platform: Platform, features: tuple[str, ...]) -> list[str]:
-    """One reason per feature ``platform`` lacks (none when flashinfer itself is missing)."""
-    if not platform.has_library("flashinfer"):
-        return []
-    have = platform_features(platform)
-    missing = [f for f in features if f not in have]
-    if not missing:
-        return []
-    extra = " (CuTe-DSL entry points need nvidia-cutlass-dsl)" if set(missing) & _NEEDS_CUTE_DSL else ""
-    return [f"the installed flashinfer lacks {', '.join(missing)}{extra}"]
-
-
 # --- activations -------------------------------------------------------------------------------
 
 # moe ActivationKind -> flashinfer ActivationType value (flashinfer/tllm_enums.py). Geglu is the exact
@@ -137,3 +118,10 @@ def autotuning(buckets: tuple[int, ...] | None = None) -> Iterator[None]:
     flashinfer = flashinfer_module("flashinfer")
     with flashinfer.autotune(True, tuning_buckets=buckets):
         yield
+
+
+# How a platform learns about FlashInfer: the probe above, and what a simulated GPU assumes -- FlashInfer
+# 0.7.2 (the release the capability facts are for) provides every entry point of FEATURE_SOURCES,
+# CuTe-DSL ones included.
+register_library(LibrarySupport("flashinfer", probe=flashinfer_moe_features,
+                                assumed_features=frozenset(FEATURE_SOURCES), assumed_version="0.7.2.post1"))

@@ -18,6 +18,12 @@ The launcher modules import no Triton at module load (``import moe`` must work w
 jit modules load at the first launch, and the launchers' integer helpers are the two below.
 """
 
+from moe.registry import LibrarySupport, register_library
+
+# The Triton release a simulated GPU platform reports (Platform.preset); the explanation prints it,
+# no check reads it. Which kernels run is decided by the platform's device, not by this version.
+register_library(LibrarySupport("triton", assumed_version="3.6.0"))
+
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative ints (``triton.cdiv``, without importing triton)."""

@@ -61,6 +61,10 @@ class BatchedRows:
     rows_per_expert: int  # T
 
 
+# the kernel's ROWS switch: where a program's rows come from (_gemm.py's row sources)
+ROW_CODES = {SortedRows: 0, BatchedRows: 1, DirectRows: 2}
+
+
 def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
     """``n`` strides of ``t``, missing (or all, for None / 0-dim) ones as 0."""
     strides = () if t is None else tuple(t.stride())
@@ -116,19 +120,19 @@ def gemm_launch(
         grid = (num_m_blocks * n_tiles,)
         num_experts = layout.expert_counts.numel()
         sorted_args = (layout.sorted_slots, layout.expert_ends, layout.expert_ends, layout.expert_counts)
-        num_slots, per_expert, a_row_div, mode = rows.num_slots, 1, rows.a_row_div, 0
+        num_slots, per_expert, a_row_div = rows.num_slots, 1, rows.a_row_div
     elif isinstance(rows, DirectRows):
         num_m_blocks = rows.topk_ids.numel()
         grid = (num_m_blocks * n_tiles,)
         has_map = rows.expert_map is not None
         emap = rows.expert_map if has_map else rows.topk_ids
         sorted_args = (rows.topk_ids, emap, rows.topk_ids, rows.topk_ids)
-        num_slots, per_expert, a_row_div, mode = num_m_blocks, 1, rows.a_row_div, 2
+        num_slots, per_expert, a_row_div = num_m_blocks, 1, rows.a_row_div
     else:
         num_m_blocks = cdiv(rows.rows_per_expert, block_m)
         grid = (num_m_blocks * n_tiles, rows.counts.numel())
         sorted_args = (rows.counts, rows.counts, rows.counts, rows.counts)
-        num_slots, per_expert, a_row_div, mode = 0, rows.rows_per_expert, 1, 1
+        num_slots, per_expert, a_row_div = 0, rows.rows_per_expert, 1
     act = activation
     params = (act.alpha, act.beta, act.limit) if act is not None and act.alpha is not None else (0.0, 0.0, 0.0)
     dummy = w.data  # stands in for absent scales/biases; never read
@@ -143,7 +147,7 @@ def gemm_launch(
         *params,
     )
     constexprs = dict(
-        ROWS=mode, HAS_MAP=has_map, A_ROW_DIV=a_row_div, GATED=gated,
+        ROWS=ROW_CODES[type(rows)], HAS_MAP=has_map, A_ROW_DIV=a_row_div, GATED=gated,
         ACTIVATION=ACTIVATION_CODES[None if act is None else act.kind],
         QUANT=QUANT_CODES[w.fmt], HAS_BIAS=w.bias is not None, EVEN_K=k % tile.block_k == 0,
         IEEE=a.dtype == torch.float32, E_PAD=experts_pad(num_experts), W_TMA=tile.tma,

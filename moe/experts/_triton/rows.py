@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from moe.experts._triton import cdiv, kernels, next_power_of_2
+from moe.formats import OutputKind
+from moe.prepare_finalize.combine import sum_over_k
 from moe.quant import QuantFormat, QuantizedTensor, dequantize, quantize
 
 FP8_MODES = {QuantFormat.FP8_TENSOR: 1, QuantFormat.FP8_ROW: 2, QuantFormat.FP8_BLOCK: 3}
@@ -107,7 +109,7 @@ def quantize_fp8_rows_reference(
     return out, mask
 
 
-def combine_slots(
+def combine_slots_kernel(
     y: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
     out: torch.Tensor,
 ) -> torch.Tensor:
@@ -129,11 +131,8 @@ def combine_slots(
 def combine_slots_reference(
     y: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None
 ) -> torch.Tensor:
-    """Torch twin of `combine_slots`, float32."""
+    """Torch twin of `combine_slots_kernel`, float32: `sum_over_k` of the slots whose expert is here."""
     num_tokens, top_k = topk_weights.shape
-    weights = topk_weights.float()
-    if expert_map is not None:
-        weights = torch.where(expert_map.long()[topk_ids.long()] >= 0, weights, 0.0)
-    per_slot = y[: num_tokens * top_k].float().view(num_tokens, top_k, -1)
-    per_slot = torch.where(weights.unsqueeze(-1) != 0, per_slot, 0.0)  # garbage rows never count
-    return (weights.unsqueeze(-1) * per_slot).sum(1)
+    here = None if expert_map is None else expert_map.long()[topk_ids.long()] >= 0  # others hold garbage
+    per_slot = y[: num_tokens * top_k].view(num_tokens, top_k, -1)
+    return sum_over_k(per_slot, topk_weights, OutputKind.PER_SLOT, valid=here)

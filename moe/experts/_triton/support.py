@@ -1,44 +1,30 @@
-"""What the two Triton experts share: capability data, checks, config keys, activation quantization."""
+"""What the two Triton experts share: their modes, checks, config keys, activation quantization."""
 
 from __future__ import annotations
 
 import torch
 
-from moe.activation import ActivationKind
 from moe.errors import MoEConfigError
 from moe.experts._triton.config import ConfigKey
-from moe.experts.base import ALL_DTYPES
+from moe.experts.base import Archs, Mode
 from moe.experts._triton.rows import RowValidity, fp8_scale_shape, quantize_fp8_rows
 from moe.platform import TRITON_INTERPRETER, Platform
 from moe.problem import MoEProblem
 from moe.quant import QuantFormat, QuantizedTensor
 
-_F = QuantFormat
-QUANT_PAIRS = frozenset(
-    {
-        (_F.NONE, _F.NONE),
-        (_F.FP8_TENSOR, _F.FP8_TENSOR),
-        (_F.FP8_ROW, _F.FP8_ROW),
-        (_F.FP8_BLOCK, _F.FP8_BLOCK),
-        (_F.MXFP4, _F.NONE),
-    }
-)
-ACTIVATIONS = frozenset(ActivationKind)
-# CUDA; the CPU only in Triton's interpreter, which the platform reports (extra_reasons says so)
-DEVICES = frozenset({"cuda", "cpu"})
-DTYPES = ALL_DTYPES
-# what both Triton backends declare alike; each adds its format, output kind and who quantizes
+# fp8 needs e4m3 tensor-core instructions (Ada, Hopper and newer); the rest runs from Ampere up
+_FP8 = Mode(archs=Archs.from_sm(89), name="fp8",
+            arch_reason="{name} ({scheme}) needs {archs} for e4m3 tensor cores (got {got}); use bf16 or mxfp4 weights")
+MODES = {**Mode(archs=Archs.from_sm(80)).serving("unquantized", "mxfp4"), **_FP8.serving("fp8", "fp8_token", "fp8_block")}
+# what both Triton backends declare alike; each adds its format, output kind and who quantizes. Devices:
+# CUDA; the CPU only in Triton's interpreter, which the platform reports (platform_reasons says so)
 COMMON_CAPABILITIES = dict(
-    quant=QUANT_PAIRS,
-    activations=ACTIVATIONS,
-    dtypes=DTYPES,
-    devices=DEVICES,
-    min_capability=(8, 0),
+    modes=MODES,
+    devices=frozenset({"cuda", "cpu"}),
     libraries=("triton",),
     cuda_graph_safe=True,
     deterministic=True,  # atomics only order rows inside a tile; each row's sums are fixed
 )
-FP8_MIN_CAPABILITY = (8, 9)  # e4m3 tensor-core instructions (Ada, Hopper and newer)
 
 
 def platform_reasons(platform: Platform) -> list[str]:
@@ -49,21 +35,12 @@ def platform_reasons(platform: Platform) -> list[str]:
 
 
 def extra_reasons(problem: MoEProblem, platform: Platform | None) -> list[str]:
-    """What the capability data cannot say about a problem: fp8 needs SM89+; the interpreter's dtypes."""
-    reasons = []
+    """What the capability data cannot say about a problem: the interpreter's dtypes."""
     if platform is not None and platform.device == "cpu" and platform.has_feature(TRITON_INTERPRETER):
         if problem.dtype == torch.bfloat16:
             # triton 3.9's interpreter: errors of 1e11 on a plain bfloat16 matmul
-            reasons.append("Triton's CPU interpreter computes bfloat16 wrongly; use float16 or float32 on a CPU")
-    fp8 = problem.quant.weight in (_F.FP8_TENSOR, _F.FP8_ROW, _F.FP8_BLOCK)
-    if fp8 and platform is not None and platform.is_cuda and platform.capability is not None:
-        if not platform.capability_at_least(*FP8_MIN_CAPABILITY):
-            major, minor = platform.capability
-            reasons.append(
-                f"fp8 ({problem.quant.name}) needs SM89 or newer for e4m3 tensor cores "
-                f"(got SM{major}{minor}); use bf16 or mxfp4 weights"
-            )
-    return reasons
+            return ["Triton's CPU interpreter computes bfloat16 wrongly; use float16 or float32 on a CPU"]
+    return []
 
 
 def device_name(device: torch.device) -> str:

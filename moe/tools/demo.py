@@ -22,6 +22,7 @@ from moe.presets import load_preset
 from moe.problem import MoEProblem
 from moe.quant import UNQUANTIZED, QuantFormat, QuantizedTensor, dequantize, quantize
 from moe.router import TopK
+from moe.synthetic import random_dense
 from moe.tolerance import relative_error, tolerance_for
 from moe.weights import ExpertWeights
 
@@ -92,7 +93,7 @@ def host_memory_bytes() -> int:
 
 
 def _build(preset, tokens: int, quant: str, experts: str | None, device: str) -> FusedMoE:
-    """The layer with random weights (w13/sqrt(H), w2/sqrt(I), biases 0.1 N(0, 1)), loaded."""
+    """The layer with random weights (`moe.synthetic.random_dense`, seed 1), loaded."""
     # an unquantized scheme name is the dtype ("fp16" runs float16); quantized schemes run bfloat16
     dtype = UNQUANTIZED.get(quant, torch.bfloat16)
     layer = FusedMoE(
@@ -101,15 +102,7 @@ def _build(preset, tokens: int, quant: str, experts: str | None, device: str) ->
         dtype=dtype, device=device, max_tokens=max(tokens, 1), experts=experts,
         **_router_options(preset, device),
     )
-    p = layer.problem
-    gen = torch.Generator().manual_seed(1)
-    w13 = torch.randn(p.num_experts, p.w13_rows, p.hidden_size, generator=gen) / p.hidden_size**0.5
-    w2 = torch.randn(p.num_experts, p.hidden_size, p.intermediate_size, generator=gen) / p.intermediate_size**0.5
-    biases = {}
-    if p.has_bias:
-        biases = dict(b13=0.1 * torch.randn(p.num_experts, p.w13_rows, generator=gen),
-                      b2=0.1 * torch.randn(p.num_experts, p.hidden_size, generator=gen))
-    layer.load_weights(w13=w13, w2=w2, **biases)
+    layer.load_weights(**random_dense(layer.problem, torch.Generator().manual_seed(1)))
     return layer
 
 

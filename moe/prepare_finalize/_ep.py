@@ -1,60 +1,36 @@
-"""Expert parallelism: which rank owns which expert, sharded weights, capacity, and the wire format.
+"""The expert-parallel half of the transports: placement, process group, capacity, wire format, and
+the base every expert-parallel prepare/finalize builds on.
 
 Under expert parallelism (``ParallelConfig(ep_size, ep_rank, expert_map, group)``) each rank holds the
-weights of its ``E_local`` experts and tokens travel to the ranks that own their experts and back.
-This module holds what the all-to-all prepare/finalize classes share and what a layer needs at load:
+weights of its ``E_local`` experts (`moe.sharding`) and tokens travel to the ranks that own their
+experts and back. What the transports ``all_to_all``, ``all_to_all_batched`` and ``flashinfer_a2a``
+share lives here:
 
-- `shard_weights`      full ``[E, ...]`` weights -> this rank's ``[E_local, ...]`` (call once, at load)
 - `ExpertPlacement`    the owner rank of every expert (gathered from every rank's expert map)
 - `process_group`      the torch.distributed group of a ParallelConfig, checked against it
 - `EPCapacity`         tokens per rank x ranks, checked against the largest batch, with a report
 - `RowCodec`           one token's payload (activations, their scales, top-k ids and weights) as bytes,
                        so that a dispatch is one collective rather than four; `wire_format`,
                        `token_payloads`, `arrived_activations` decide what travels quantized
+- `ExpertParallelPrepareFinalize`  the base class: group, placement, capacity and codecs, all set up
+                       at construction (collective: every rank of the group constructs together)
 
-The transport itself is torch.distributed (NCCL on GPUs, gloo on CPU); nothing here moves data.
+Nothing here moves data: each transport does, over torch.distributed or FlashInfer's NVLink kernels.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from moe.errors import MoEConfigError
+from moe.formats import ActivationFormat
+from moe.prepare_finalize.base import QUANTIZABLE, PrepareFinalize, R, Ranks, Transport
 from moe.problem import MoEProblem, ParallelConfig
-from moe.quant import QuantFormat, QuantizedTensor
+from moe.quant import QuantFormat, QuantizedTensor, quantize_activations, row_layout
 from moe.router import TopK
-from moe.weights import ExpertWeights
-
-
-# --- weights -------------------------------------------------------------------------------------
-def local_expert_ids(parallel: ParallelConfig, num_experts: int) -> list[int]:
-    """The global ids of this rank's experts, in local order (local id i -> ``result[i]``)."""
-    to_local = parallel.global_to_local(num_experts)
-    owned = sorted((local, expert) for expert, local in enumerate(to_local) if local >= 0)
-    return [expert for _, expert in owned]
-
-
-def shard_weights(weights: ExpertWeights, problem: MoEProblem) -> ExpertWeights:
-    """This rank's experts out of the full ``[E, ...]`` weights (scales and biases included).
-
-    >>> problem = MoEProblem.create(num_experts=4, top_k=2, hidden_size=8, intermediate_size=4,
-    ...                             dtype=torch.float32, quant="fp32",
-    ...                             parallel=ParallelConfig(ep_size=2, ep_rank=1))
-    >>> full = ExpertWeights.from_dense(torch.randn(4, 8, 8), torch.randn(4, 8, 4))
-    >>> shard_weights(full, problem).num_experts       # experts 2 and 3
-    2
-    """
-    if not isinstance(weights, ExpertWeights):
-        raise MoEConfigError(f"weights: expected ExpertWeights (got {type(weights).__name__})")
-    if weights.num_experts != problem.num_experts:
-        raise MoEConfigError(
-            f"shard_weights takes the full weights of all E={problem.num_experts} experts "
-            f"(got {weights.num_experts}); weights that are already sharded need no shard_weights"
-        )
-    return weights.select_experts(local_expert_ids(problem.parallel, problem.num_experts))
 
 
 # --- placement -----------------------------------------------------------------------------------
@@ -91,8 +67,6 @@ class ExpertPlacement:
     @classmethod
     def gather(cls, problem: MoEProblem, group) -> "ExpertPlacement":
         """Collective: every rank of ``group`` calls it together (the maps travel as one all_gather)."""
-        import torch.distributed as dist
-
         p = problem.parallel
         mine = torch.tensor(p.global_to_local(problem.num_experts), dtype=torch.int64, device=comm_device(group))
         maps = [torch.empty_like(mine) for _ in range(p.ep_size)]
@@ -112,8 +86,6 @@ def process_group(parallel: ParallelConfig, who: str):
     Raises `MoEConfigError` when torch.distributed is not initialized or disagrees with the config --
     conditions of the running job, so they are construction errors, not oracle check reasons.
     """
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         raise MoEConfigError(
             f"{who} needs torch.distributed: call torch.distributed.init_process_group(...) on every rank "
@@ -132,8 +104,6 @@ def process_group(parallel: ParallelConfig, who: str):
 
 def comm_device(group) -> torch.device:
     """Where the tensors of ``group``'s collectives live: the current GPU for NCCL, else the CPU."""
-    import torch.distributed as dist
-
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -200,7 +170,6 @@ class EPCapacity:
 
 
 # --- wire format ---------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
 def quantizes_before_sending(fmt: QuantFormat, hidden_size: int, dtype: torch.dtype) -> bool:
     """True when activations in ``fmt`` can be quantized on the sending rank.
 
@@ -209,12 +178,7 @@ def quantizes_before_sending(fmt: QuantFormat, hidden_size: int, dtype: torch.dt
     batch (fp8 per tensor, nvfp4's global scale) must be computed over the batch the experts actually
     multiply -- the received one -- so those tokens travel unquantized and are quantized on arrival.
     """
-    if fmt is QuantFormat.NONE:
-        return False
-    from moe.prepare_finalize.local import quantize_activations
-
-    probe = quantize_activations(torch.ones(1, hidden_size, dtype=dtype), fmt)
-    return probe.global_scale is None and probe.scale is not None and probe.scale.dim() > 0
+    return row_layout(fmt, hidden_size, dtype).row_scaled
 
 
 @dataclass(frozen=True)
@@ -230,13 +194,11 @@ class RowCodec:
 
     @classmethod
     def for_activations(cls, hidden_size: int, dtype: torch.dtype, fmt: QuantFormat, top_k: int) -> "RowCodec":
-        """The codec of tokens in ``fmt`` (NONE: ``dtype`` itself), read off a one-row probe."""
-        from moe.prepare_finalize.local import quantize_activations
-
-        probe = quantize_activations(torch.ones(1, hidden_size, dtype=dtype), fmt)
-        fields = [("x", probe.data.dtype, probe.data.shape[-1])]
-        if probe.scale is not None and probe.scale.dim() > 0:
-            fields.append(("x_scale", probe.scale.dtype, probe.scale.shape[-1]))
+        """The codec of tokens in ``fmt`` (NONE: ``dtype`` itself), from the format's `row_layout`."""
+        layout = row_layout(fmt, hidden_size, dtype)
+        fields = [("x", layout.data_dtype, layout.data_columns)]
+        if layout.scale_columns:
+            fields.append(("x_scale", layout.scale_dtype, layout.scale_columns))
         fields += [("ids", torch.int32, top_k), ("weights", torch.float32, top_k)]
         return cls(tuple(fields))
 
@@ -278,8 +240,6 @@ def wire_format(problem: MoEProblem, quantize_to: QuantFormat) -> QuantFormat:
 def token_payloads(hidden: torch.Tensor, topk: TopK, wire: QuantFormat) -> dict[str, torch.Tensor]:
     """Each token's payload by `RowCodec` field name: ``x`` (in ``wire``), ``x_scale`` if per row,
     ``ids`` and ``weights``."""
-    from moe.prepare_finalize.local import quantize_activations
-
     q = quantize_activations(hidden, wire)
     payloads = {"x": q.data, "ids": topk.ids, "weights": topk.weights}
     if q.scale is not None and q.scale.dim() > 0:
@@ -293,7 +253,54 @@ def arrived_activations(fields: dict[str, torch.Tensor], wire: QuantFormat, quan
     when quantizing on arrival, so they cannot move a per-tensor scale."""
     if wire is quantize_to:
         return QuantizedTensor(data=fields["x"], scale=fields.get("x_scale"), fmt=wire)
-    from moe.prepare_finalize.local import quantize_activations
-
     data = fields["x"] if valid is None else torch.where(valid, fields["x"], 0)
     return quantize_activations(data, quantize_to)
+
+
+# --- the base class ------------------------------------------------------------------------------
+class ExpertParallelPrepareFinalize(PrepareFinalize[R]):
+    """What every expert-parallel transport shares, set up at construction: the group, the placement,
+    the capacity, and a `RowCodec` for each format the experts may ask for (unquantized when they
+    quantize themselves, else the problem's activation format). Construction is collective."""
+
+    # what every expert-parallel transport declares; a subclass refines a field or declares its own
+    transport = Transport(ActivationFormat.STANDARD, QUANTIZABLE, ranks=frozenset({Ranks.EXPERT_PARALLEL}))
+
+    def __init__(self, problem: MoEProblem, capacity: EPCapacity):
+        super().__init__(problem)
+        self.capacity = capacity
+        self.group = process_group(problem.parallel, self.name)
+        self.placement = ExpertPlacement.gather(problem, self.group)
+        self._owner, self._to_local = self.placement.tensors(comm_device(self.group))
+        p = problem
+        self._wires = {fmt: wire_format(p, fmt) for fmt in (QuantFormat.NONE, p.quant.activation)}
+        self._codecs = {wire: RowCodec.for_activations(p.hidden_size, p.dtype, wire, p.top_k)
+                        for wire in self._wires.values()}
+
+    @property
+    def max_tokens_per_rank(self) -> int:
+        return self.capacity.max_tokens_per_rank
+
+    def describe(self) -> str:
+        """The capacity and the workspace for the largest batch, known before the first forward."""
+        return f"{self.name}: " + self.capacity.describe(self.workspace_shapes(self.problem.max_tokens).nbytes)
+
+    def _wire(self, quantize_to: QuantFormat) -> tuple[QuantFormat, RowCodec]:
+        """The format tokens travel in for experts that want ``quantize_to``, and its codec."""
+        if quantize_to not in self._wires:
+            raise MoEConfigError(
+                f"{self.name}: prepare quantizes to none or the problem's activation format "
+                f"{self.problem.quant.activation.value} (got quantize_to={quantize_to!r})"
+            )
+        wire = self._wires[quantize_to]
+        return wire, self._codecs[wire]
+
+    def _pack(self, hidden: torch.Tensor, topk: TopK, wire: QuantFormat, codec: RowCodec) -> torch.Tensor:
+        """``[M, row_bytes]``: each token's activations (in ``wire``), scales, ids and weights."""
+        return codec.pack(token_payloads(hidden, topk, wire))
+
+    def _destinations(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[M, ep]`` bool: which ranks each token travels to (those owning any of its experts)."""
+        dest = self._owner.to(ids.device)[ids.long()]
+        sends = torch.zeros(ids.shape[0], self.problem.parallel.ep_size, dtype=torch.bool, device=ids.device)
+        return sends.scatter_(1, dest, True)

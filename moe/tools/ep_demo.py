@@ -26,11 +26,13 @@ import torch.multiprocessing as mp
 
 from moe.errors import MoEConfigError, UnsupportedError
 from moe.kernel import ModularKernel
-from moe.parallel import local_expert_ids, shard_weights
+from moe.platform import Platform
 from moe.prepare_finalize import all_to_all  # noqa: F401 -- registers all_to_all, all_to_all_batched
 from moe.problem import MoEProblem, ParallelConfig
 from moe.quant import QuantFormat
 from moe.router import Router, TopK
+from moe.sharding import local_expert_ids, shard_weights
+from moe.synthetic import random_dense
 from moe.tolerance import relative_error, tolerance_for
 from moe.weights import ExpertWeights
 
@@ -110,16 +112,11 @@ def round_robin_maps(num_experts: int, ep_size: int) -> list[tuple[int, ...]]:
 
 
 def random_layer(problem: MoEProblem, seed: int) -> ExpertWeights:
-    """Full ``[E, ...]`` weights, the same on every rank for the same seed."""
-    gen = torch.Generator().manual_seed(seed)
-    p = problem
-    dense = {"w13": torch.randn(p.num_experts, p.w13_rows, p.hidden_size, generator=gen) / p.hidden_size**0.5,
-             "w2": torch.randn(p.num_experts, p.hidden_size, p.intermediate_size, generator=gen)
-             / p.intermediate_size**0.5}
-    if p.has_bias:
-        dense["b13"] = 0.1 * torch.randn(p.num_experts, p.w13_rows, generator=gen)
-        dense["b2"] = 0.1 * torch.randn(p.num_experts, p.hidden_size, generator=gen)
-    return ExpertWeights.from_dense(**dense, quant=p.quant, dtype=p.dtype)
+    """Full ``[E, ...]`` weights (all E experts, whatever ``problem.parallel`` says), the same on every
+    rank for the same seed."""
+    unsharded = dataclasses.replace(problem, parallel=ParallelConfig())
+    dense = random_dense(unsharded, torch.Generator().manual_seed(seed))
+    return ExpertWeights.from_dense(**dense, quant=problem.quant, dtype=problem.dtype)
 
 
 def random_tokens(problem: MoEProblem, num_tokens: int, seed: int, router: Router | None = None,
@@ -136,13 +133,14 @@ def random_tokens(problem: MoEProblem, num_tokens: int, seed: int, router: Route
 def compare_on_rank(rank: int, world: int, problem: MoEProblem, prepare_finalize: str, experts: str,
                     tokens: Sequence[int], *, seed: int = 0, skew_to_rank: int | None = None,
                     expert_maps: list[tuple[int, ...]] | None = None, truth_experts: str = "reference",
-                    router: Router | None = None, device: str = "cpu",
+                    router: Router | None = None, device: str = "cpu", platform: Platform | None = None,
                     **pf_options: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sharded, unsharded)`` outputs for this rank's ``tokens[rank]`` tokens.
 
     ``problem`` is the unsharded layer; the sharded one places experts contiguously, or by
     ``expert_maps[rank]``. The unsharded run uses ``truth_experts`` behind ``local`` (or ``batched``
-    for batched-only experts) on every rank's tokens at once.
+    for batched-only experts) on every rank's tokens at once. ``platform`` is what the sharded kernel is
+    composed for (default: the one detected for ``device``).
     """
     from moe.registry import get_experts, get_prepare_finalize
 
@@ -158,7 +156,7 @@ def compare_on_rank(rank: int, world: int, problem: MoEProblem, prepare_finalize
     start = sum(tokens[:rank])
     # sharded: this rank's experts and tokens only
     kernel = ModularKernel(get_prepare_finalize(prepare_finalize)(sharded, **pf_options),
-                           get_experts(experts)(sharded), device=device)
+                           get_experts(experts)(sharded), device=device, platform=platform)
     kernel.load(shard_weights(weights, sharded))
     out = kernel.forward(*inputs[rank])
     return out, truth[start:start + tokens[rank]]
@@ -187,7 +185,7 @@ def run_ep_demo(num_ranks: int, preset: str = "qwen3-30b-a3b", tokens: int = 37,
                 *, experts: str | None = None, timeout_s: float = 300.0) -> int:
     """Spawns ``num_ranks`` CPU processes (gloo); prints, per prepare/finalize x experts, the largest
     difference between the sharded and the unsharded layer, and the sharded layer's relative error
-    against `moe.demo.dequantize_then_compute` (a float32 loop no backend shares). Returns 0 when every
+    against `moe.tools.demo.dequantize_then_compute` (a float32 loop no backend shares). Returns 0 when every
     pair is within its bounds (sharded = unsharded exactly for ``reference`` behind ``all_to_all``), 1
     otherwise.
 
@@ -195,7 +193,7 @@ def run_ep_demo(num_ranks: int, preset: str = "qwen3-30b-a3b", tokens: int = 37,
     `DEMO_PAIRS`; UnsupportedError when it cannot serve the layer on this CPU. Of `DEMO_PAIRS`, a pair
     that cannot serve ``quant`` is reported as skipped, with its reasons.
     """
-    from moe.demo import CPU_LIMITS
+    from moe.tools.demo import CPU_LIMITS
     from moe.presets import load_preset
 
     layer = load_preset(preset).scaled(**CPU_LIMITS)
@@ -230,7 +228,6 @@ def demo_pairs(problem: MoEProblem, experts: str | None) -> tuple[list[tuple[str
     experts cannot serve the problem.
     """
     from moe.formats import ActivationFormat, OutputKind
-    from moe.platform import Platform
     from moe.registry import get_experts
 
     platform = Platform.detect("cpu")
@@ -281,7 +278,7 @@ def _verdict(pair: tuple[str, str], per_rank: list[tuple[float, float, float]],
 
 def _demo_rank(rank: int, world: int, preset: str, tokens: int, quant: str | None,
                pairs: list[tuple[str, str]]) -> list[tuple[float, float, float]]:
-    from moe.demo import CPU_LIMITS, dequantize_then_compute
+    from moe.tools.demo import CPU_LIMITS, dequantize_then_compute
     from moe.presets import load_preset
 
     layer = load_preset(preset).scaled(**CPU_LIMITS)

@@ -25,14 +25,26 @@ from pathlib import Path
 
 import torch
 
+from moe.errors import MoEConfigError, UnsupportedError
+from moe.experts._triton.align import align_block_size
 from moe.experts._triton.config import CONFIG_DIR, ConfigTable, LaunchConfig, TileConfig
+from moe.experts._triton.gemm import DirectRows, SortedRows, gemm_launch, precompile
+from moe.experts._triton.rows import RowValidity
+from moe.experts._triton.support import config_key, quantize_activation
+from moe.experts.triton import TritonExperts
+from moe.formats import ActivationFormat, DispatchShape
+from moe.presets import load_preset, preset_names
+from moe.quant.scheme import SCHEME_NAMES
+from moe.registry import get_experts
+from moe.tools.bench import backend_calls, build_weights, make_inputs, time_calls
+from moe.tools.cli_args import comma_separated, int_at_least, one_of
+from moe.workspace import WorkspaceManager
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class Progress:
     """A one-line text progress bar on stderr."""
-
     def __init__(self, total: int, label: str):
         self.total, self.done, self.label, self.start = max(total, 1), 0, label, time.time()
 
@@ -100,7 +112,6 @@ def candidate_tiles(block_m: int, wide_output: bool, scheme: str, rows_per_exper
 @dataclass
 class TuneCase:
     """One layer's prepared weights and the inputs to time with."""
-
     problem: object
     experts: object
     weights: object
@@ -108,9 +119,6 @@ class TuneCase:
 
 
 def make_case(preset, quant: str, tokens: int, weights, device) -> TuneCase:
-    from moe.bench import make_inputs
-    from moe.experts.triton import TritonExperts
-
     problem = preset.problem(quant=quant, max_tokens=tokens)
     experts = TritonExperts(problem)
     return TuneCase(problem, experts, experts.prepare_weights(weights),
@@ -120,13 +128,6 @@ def make_case(preset, quant: str, tokens: int, weights, device) -> TuneCase:
 def gemm_launches(case: TuneCase, block_m: int, direct: bool, tiles1, tiles2, device) -> tuple[dict, dict, list]:
     """For each tile, the launches of both GEMMs on each input set (workspace per input set), and
     the alignment calls (none when direct)."""
-    from moe.experts._triton.align import align_block_size
-    from moe.experts._triton.gemm import DirectRows, SortedRows, gemm_launch
-    from moe.experts._triton.rows import RowValidity
-    from moe.experts._triton.support import quantize_activation
-    from moe.formats import ActivationFormat, DispatchShape
-    from moe.workspace import WorkspaceManager
-
     p, w = case.problem, case.weights
     first, second, aligns = {t: [] for t in tiles1}, {t: [] for t in tiles2}, []
     for hidden, topk in case.inputs:
@@ -166,16 +167,12 @@ def distinct_kernels(launch_sets: list[dict]) -> list[tuple]:
 
 def precompile_all(specs: list[tuple], pool: ProcessPoolExecutor, progress: Progress | None) -> None:
     """Compiles the kernels in the pool's worker processes into Triton's on-disk cache."""
-    from moe.experts._triton.gemm import precompile
-
     for _ in pool.map(precompile, specs):
         if progress:
             progress.step("compiling")
 
 
 def best_tile(launches: dict, progress: Progress | None) -> tuple[TileConfig | None, float]:
-    from moe.bench import time_calls
-
     best, best_us = None, float("inf")
     for tile, runs in launches.items():
         try:
@@ -196,10 +193,6 @@ def time_configs(case: TuneCase, configs: list[LaunchConfig], rounds: int = 3) -
     """Median microseconds of the whole experts stage (alignment, both GEMMs, combine) under each
     config, timed like ``python -m moe bench``; the configs take turns, ``rounds`` times, so a clock
     drift during the run hits them alike."""
-    from moe.bench import backend_calls, time_calls
-    from moe.experts._triton.config import ConfigTable
-    from moe.experts.triton import TritonExperts
-
     tokens = case.inputs[0][0].shape[0]
     device = case.inputs[0][0].device
     times: list[list[float]] = [[] for _ in configs]
@@ -218,8 +211,6 @@ def tune_bucket(case: TuneCase, scheme: str, pool: ProcessPoolExecutor, device, 
     ``finalists`` best plans and the table's ``current`` one timed end to end (`time_configs`), which
     decides -- a tile timed alone can rank differently from the whole stage, and a re-tune should
     never replace a config by one that is slower where it counts."""
-    from moe.bench import time_calls
-
     p = case.problem
     tokens = case.inputs[0][0].shape[0]
     rows_per_expert = tokens * p.top_k / p.local_num_experts
@@ -252,10 +243,6 @@ def tune_bucket(case: TuneCase, scheme: str, pool: ProcessPoolExecutor, device, 
 
 
 def tune_preset(preset_name: str, quant: str, tokens, out_dir: Path, workers: int) -> Path:
-    from moe.bench import build_weights
-    from moe.experts._triton.support import config_key
-    from moe.presets import load_preset
-
     device = torch.device("cuda")
     preset = load_preset(preset_name)
     problem = preset.problem(quant=quant, max_tokens=max(tokens))
@@ -277,10 +264,6 @@ def tune_preset(preset_name: str, quant: str, tokens, out_dir: Path, workers: in
 
 
 def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
-    from moe.cli_args import comma_separated, int_at_least, one_of
-    from moe.presets import preset_names
-    from moe.quant.scheme import SCHEME_NAMES
-
     parser.add_argument("--preset", required=True, help="comma-separated preset names",
                         type=comma_separated(one_of(preset_names(), "preset"), "mixtral-8x7b"))
     parser.add_argument("--quant", type=comma_separated(one_of(SCHEME_NAMES, "scheme"), "bf16,fp8_block"),
@@ -293,10 +276,6 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def tune_command(args: argparse.Namespace) -> int:
-    from moe.errors import MoEConfigError, UnsupportedError
-    from moe.presets import load_preset
-    from moe.registry import get_experts
-
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise MoEConfigError(f"--out {args.out}: exists and is not a folder")
     for preset in args.preset:  # what the Triton experts cannot serve is refused before any compiling
@@ -313,14 +292,3 @@ def tune_command(args: argparse.Namespace) -> int:
             path = tune_preset(preset, quant, args.tokens, Path(args.out), args.workers)
             print(f"wrote {path}")
     return 0
-
-
-def main_tune(argv: list[str] | None = None) -> int:
-    """``python -m moe.tune ARGS``: the same as ``python -m moe tune ARGS``, errors reported alike."""
-    from moe.cli import main
-
-    return main(["tune", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main_tune())

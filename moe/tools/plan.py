@@ -15,7 +15,7 @@ import dataclasses
 import json
 
 from moe.activation import ACTIVATION_NAMES
-from moe.cli_args import int_at_least
+from moe.tools.cli_args import int_at_least
 from moe.errors import MoEConfigError
 from moe.oracle.policy import Policy
 from moe.oracle.select import Plan, plan

@@ -14,10 +14,10 @@ import sys
 
 import torch
 
-from moe.cli_args import int_at_least
-from moe.demo import run_demo
+from moe.tools.cli_args import int_at_least
+from moe.tools.demo import run_demo
 from moe.errors import MoEConfigError, MoEError, UnsupportedError
-from moe.oracle.cli import add_plan_parser
+from moe.tools.plan import add_plan_parser
 from moe.presets import preset_names
 from moe.quant.scheme import SCHEME_NAMES
 
@@ -57,7 +57,7 @@ def _demo(a) -> int:
         if given:
             raise MoEConfigError(f"{flag} does not go with --ep {a.ep}: the expert-parallel demo runs "
                                  f"{a.ep} CPU processes (gloo) on a scaled-down layer, M >= 1 tokens each")
-    from moe.parallel_demo import run_ep_demo
+    from moe.tools.ep_demo import run_ep_demo
 
     return run_ep_demo(a.ep, a.preset, a.tokens, a.quant, experts=a.experts)
 
@@ -65,7 +65,15 @@ def _demo(a) -> int:
 def _backends_parser(sub) -> None:
     p = sub.add_parser("backends", help="print the support table generated from the capability declarations, "
                                         "with whether each backend can run on this machine")
-    p.set_defaults(func=lambda a: print(backends_table(_detected_platform())) or 0)
+    p.add_argument("--modes", action="store_true", help="add what each experts backend needs per quantization scheme")
+    p.set_defaults(func=_backends)
+
+
+def _backends(a) -> int:
+    print(backends_table(_detected_platform()))
+    if a.modes:
+        print("\n" + modes_table())
+    return 0
 
 
 def _detected_platform():
@@ -109,6 +117,32 @@ def backends_table(platform=None, *, experts=None, prepare_finalize=None, broken
         rows += [""] + _header(["plugin", "status"])
         rows += [_row([name, f"broken: {why}"]) for name, why in unregistered.items()]
     return "\n".join(rows)
+
+
+def modes_table(experts=None) -> str:
+    """A markdown table of every experts backend's modes (``Capabilities.modes``): per quantization
+    scheme, the kernel, architectures, activations, dtypes, biases, alignment and library features.
+    ``experts`` (name -> class) defaults to the registry's."""
+    from moe import registry
+    from moe.experts.base import Archs
+
+    experts = registry.experts_classes() if experts is None else experts
+    rows = _header(["experts", "scheme", "kernel", "SM", "activations", "dtypes", "bias", "alignment", "features"])
+    dtype_names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    for name, cls in experts.items():
+        for scheme, mode in sorted(cls.capabilities.modes.items(), key=lambda item: item[0].name):
+            dtypes = ", ".join(dtype_names.get(d, str(d)) for d in sorted(mode.dtypes, key=str))
+            rows.append(_row([name, scheme.name, mode.name or "-", "-" if mode.archs == Archs() else str(mode.archs),
+                              ", ".join(sorted(a.value for a in mode.activations)), dtypes,
+                              "yes" if mode.bias else "no", _alignment(mode), ", ".join(mode.features) or "-"]))
+    return "\n".join(rows)
+
+
+def _alignment(mode) -> str:
+    i_align = str(mode.i_align) if mode.i_align_nongated is None else f"{mode.i_align} (relu2: {mode.i_align_nongated})"
+    if (mode.h_align, mode.i_align, mode.i_align_nongated) == (1, 1, None):
+        return "-"
+    return f"H % {mode.h_align}, I % {i_align}" + (" (padded)" if mode.pads else "")
 
 
 def _header(names: list[str]) -> list[str]:
@@ -164,9 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     _backends_parser(sub)
     _add(sub, "bench", "time experts backends on a GPU against the roofline (and torch_grouped)",
-         "moe.bench", "add_bench_arguments", "bench_command")
+         "moe.tools.bench", "add_bench_arguments", "bench_command")
     _add(sub, "tune", "search Triton launch configurations and write them as data files",
-         "moe.tune", "add_tune_arguments", "tune_command")
+         "moe.tools.tune", "add_tune_arguments", "tune_command")
     return parser
 
 
