@@ -37,7 +37,9 @@ from moe.experts._flashinfer.base import (
     SM100_PLUS,
     FlashInferExperts,
     flashinfer_mode,
+    power_of_two_at_least,
     synthetic_dispatch,
+    tune_max_tokens,
 )
 from moe.experts._flashinfer.cutlass_modes import CutlassWeights
 from moe.experts._flashinfer.layouts import Geometry
@@ -190,5 +192,4 @@ class FlashInferCutlassExperts(FlashInferExperts):
 
 def _scratch_bucket(problem: MoEProblem, rows: int) -> int:
     """The power-of-two token bucket whose scratch serves ``rows`` rows (at most the tuned maximum)."""
-    tune_max_tokens = 1 << max(problem.max_tokens - 1, 0).bit_length()
-    return min(1 << max(rows - 1, 0).bit_length(), max(tune_max_tokens, rows))
+    return min(power_of_two_at_least(rows), max(tune_max_tokens(problem), rows))

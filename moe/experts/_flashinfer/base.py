@@ -39,6 +39,16 @@ def flashinfer_mode(name: str, archs: Archs, activations=frozenset(ActivationKin
                 library="flashinfer", features=features, name=name, strategy=strategy)
 
 
+def power_of_two_at_least(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for n <= 1): FlashInfer's autotuner buckets token counts so."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def tune_max_tokens(problem: MoEProblem) -> int:
+    """``max_tokens`` up to a power of two: the largest token count the autotuner profiles."""
+    return power_of_two_at_least(problem.max_tokens)
+
+
 class FlashInferExperts(Experts):
     """The constructor every FlashInfer backend shares (no ``name``: not registered itself).
 
@@ -56,7 +66,7 @@ class FlashInferExperts(Experts):
         self.strategy = self.mode.strategy
         self.geometry = self.geometry_of(problem)
         self.intermediate_scale = float(intermediate_scale)
-        self.tune_max_tokens = 1 << max(problem.max_tokens - 1, 0).bit_length()
+        self.tune_max_tokens = tune_max_tokens(problem)
         first = problem.parallel.global_to_local(problem.num_experts).index(0)
         self.local_experts = (first, problem.local_num_experts)
 
