@@ -122,8 +122,14 @@ class PrepareFinalize(ABC, Generic[R]):
         if t.max_top_k is not None and problem.top_k > t.max_top_k:
             reasons.append(f"supports top_k <= {t.max_top_k} (got {problem.top_k})")
         if platform is not None:
-            reasons += _platform_reasons(t, platform)
+            reasons += cls._platform_reasons(platform)
         return reasons
+
+    @classmethod
+    def _platform_reasons(cls, platform: Platform) -> list[str]:
+        """The platform half of the declaration (devices, libraries): what ``check`` adds on ``platform``
+        whatever the problem, and what ``python -m moe backends`` reports as usable here."""
+        return _transport_platform_reasons(cls.transport, platform)
 
     @classmethod
     def declared_workspace(cls, problem: MoEProblem) -> tuple[DispatchShape, WorkspaceShapes]:
@@ -197,7 +203,7 @@ def _contiguous(problem: MoEProblem) -> bool:
     return list(p.expert_map) == ParallelConfig(p.ep_size, p.ep_rank).global_to_local(problem.num_experts)
 
 
-def _platform_reasons(transport: Transport, platform: Platform) -> list[str]:
+def _transport_platform_reasons(transport: Transport, platform: Platform) -> list[str]:
     reasons = []
     if platform.device not in transport.devices:
         where = transport.runs_on or str(sorted(transport.devices))

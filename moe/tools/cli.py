@@ -160,25 +160,17 @@ def _status(name: str, implemented: bool, broken: dict[str, str]) -> str:
 
 
 def _here(cls: type, platform) -> list[str]:
-    """``[]`` without a platform; else ``["yes"]`` or ``["no: <reasons>"]`` for running ``cls`` there.
-
-    For experts, the platform half of their declaration (device, compute capability, libraries): a
-    problem can still be refused for reasons that join both (a quantization that needs a newer SM),
-    which ``moe plan`` gives. A prepare/finalize has no platform-only hook, so its reasons are those
-    its check adds once it is given the platform (on any problem, here a small one).
+    """``[]`` without a platform; else ``["yes"]`` or ``["no: <reasons>"]`` for running ``cls`` there:
+    the platform half of its declaration (device, compute capability, libraries). A problem can still be
+    refused for reasons that join both (a quantization that needs a newer SM), which ``moe plan`` gives.
     """
-    from moe.problem import MoEProblem
-    from moe.registry import checked_call, checked_reasons
+    from moe.registry import checked_call
 
     if platform is None:
         return []
-    if hasattr(cls, "capabilities"):
-        reasons = checked_call(cls, "_platform_reasons", platform)
-        reasons += [] if cls.capabilities.implemented else ["declared only"]
-    else:
-        probe = MoEProblem.create(num_experts=8, top_k=2, hidden_size=128, intermediate_size=128)
-        alone = checked_reasons(cls, probe, None)
-        reasons = [r for r in checked_reasons(cls, probe, platform) if r not in alone]
+    declaration = cls.capabilities if hasattr(cls, "capabilities") else cls.transport
+    reasons = checked_call(cls, "_platform_reasons", platform)
+    reasons += [] if declaration.implemented else ["declared only"]
     return ["yes" if not reasons else "no: " + "; ".join(reasons)]
 
 
