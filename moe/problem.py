@@ -142,15 +142,9 @@ class MoEProblem:
         self._check_scale_blocks()
 
     def _check_scale_blocks(self) -> None:
-        """H and I are the K of a GEMM each; micro-scaled formats need K a multiple of their scale block."""
-        for fmt in (self.quant.weight, self.quant.activation):
-            for name, size in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
-                if size % fmt.k_multiple:
-                    raise MoEConfigError(
-                        f"{name} must be a multiple of {fmt.k_multiple} for quant={self.quant.name} "
-                        f"({fmt.value} stores one scale per {fmt.k_multiple} elements; got {size}); "
-                        "pad the weights or choose another scheme"
-                    )
+        reasons = scale_block_reasons(self.quant, self.hidden_size, self.intermediate_size)
+        if reasons:
+            raise MoEConfigError(reasons[0])
 
     @classmethod
     def create(
@@ -217,3 +211,16 @@ class MoEProblem:
         if self.parallel.enabled:
             experts += f" ({self.local_num_experts} on this rank)"
         return f"{experts}, k={self.top_k}, H={self.hidden_size}, I={self.intermediate_size}"
+
+
+def scale_block_reasons(quant: QuantScheme, hidden_size: int, intermediate_size: int) -> list[str]:
+    """Why ``quant`` cannot store a layer of these sizes (empty when it can): H and I are the K of a
+    GEMM each, and micro-scaled formats need K a multiple of their scale block."""
+    return [
+        f"{name} must be a multiple of {fmt.k_multiple} for quant={quant.name} "
+        f"({fmt.value} stores one scale per {fmt.k_multiple} elements; got {size}); "
+        "pad the weights or choose another scheme"
+        for fmt in (quant.weight, quant.activation)
+        for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size))
+        if size % fmt.k_multiple
+    ]

@@ -89,3 +89,13 @@ def test_plan_cli_json_marks_slow_buckets(capsys):
     main(["plan", "--platform", "h100", "--preset", "gpt-oss-120b", "--quant", "mxfp4", "--tokens", "1", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert result["slow_path"] is None and result["plan"][0]["slow_path"] is False
+
+
+def test_alternatives_skip_schemes_whose_scale_blocks_do_not_divide_the_sizes():
+    """H = I = 48: nvfp4 (blocks of 16) stores it, mxfp8/mxfp4 (blocks of 32) cannot; the search for what
+    would serve must skip them, not fail the layer's construction."""
+    with pytest.warns(SlowPathWarning, match="no kernel serves nvfp4 on h100"):
+        layer = FusedMoE(8, 2, 48, 48, quant="nvfp4", max_tokens=16, platform=Platform.preset("h100"))
+    found = slow_path(layer.plan)
+    assert "bf16" in found.other_schemes
+    assert not {"mxfp8", "mxfp4"} & set(found.other_schemes)

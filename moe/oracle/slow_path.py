@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moe.platform import PRESET_NAMES, Platform
+from moe.problem import scale_block_reasons
 from moe.quant import QuantScheme
 
 if TYPE_CHECKING:
@@ -88,12 +89,12 @@ def _has_a_kernel(plan: "Plan") -> bool:
 
 
 def _schemes_with_a_kernel(plan: "Plan") -> tuple[str, ...]:
-    found = []
+    found, p = [], plan.problem
     for name in _ALTERNATIVE_SCHEMES:
         scheme = QuantScheme.from_name(name)
-        if scheme == plan.problem.quant:
+        if scheme == p.quant or scale_block_reasons(scheme, p.hidden_size, p.intermediate_size):
             continue
-        problem = dataclasses.replace(plan.problem, quant=scheme)
+        problem = dataclasses.replace(p, quant=scheme)
         if _has_a_kernel(plan.replanned(problem=problem)):
             found.append(problem.quant_name)
     return tuple(found)
