@@ -24,9 +24,10 @@ $(BASE):
 	rm -f $(VENV)/.base-*
 	touch $@
 
-# Triton kernels run on CPU under TRITON_INTERPRET=1; the example plugin tests the entry-point group.
+# Triton kernels run on CPU under TRITON_INTERPRET=1; the example plugin tests the entry-point group;
+# transformers builds the tiny random models of the integration tests (no downloads).
 $(TESTS): $(BASE)
-	$(PIP) -e '.[test]' "triton==3.9.0" matplotlib
+	$(PIP) -e '.[test]' "triton==3.9.0" matplotlib "transformers==5.24.0"
 	$(PIP) --no-deps $(FLASHINFER)
 	$(PIP) -e examples/plugin_backend
 	rm -f $(VENV)/.test-*

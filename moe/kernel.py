@@ -209,25 +209,31 @@ class ModularKernel:
         check_hidden(self.problem, self.workspace.device, hidden, shared_output)
 
     def _check_topk(self, hidden: torch.Tensor, topk: TopK, validate: bool) -> None:
-        p = self.problem
-        if not isinstance(topk, TopK):
+        check_topk(self.problem, hidden, topk, validate=validate)
+
+
+def check_topk(problem: MoEProblem, hidden: torch.Tensor, topk: TopK, *, validate: bool, name: str = "topk.ids") -> None:
+    """Raises `MoEConfigError` naming ``name`` unless ``topk`` is a `TopK` of ``[M, top_k]`` on
+    ``hidden``'s device; ``validate`` also checks every id is in ``[0, E)`` (a host read of the ids)."""
+    p = problem
+    if not isinstance(topk, TopK):
+        raise MoEConfigError(
+            f"topk must be a moe.TopK(ids [M, k] int32, weights [M, k] float32), e.g. router(router_logits) "
+            f"(got {type(topk).__name__})"
+        )
+    if tuple(topk.ids.shape) != (hidden.shape[0], p.top_k):
+        raise MoEConfigError(
+            f"{name} must be [M, top_k] = [{hidden.shape[0]}, {p.top_k}] (got {list(topk.ids.shape)}); "
+            f"the kernel was built for {p.sizes}"
+        )
+    if topk.ids.device != hidden.device:
+        raise MoEConfigError(f"{name} is on {topk.ids.device} but hidden is on {hidden.device}")
+    if validate and topk.ids.numel():
+        low, high = int(topk.ids.min()), int(topk.ids.max())
+        if low < 0 or high >= p.num_experts:
             raise MoEConfigError(
-                f"topk must be a moe.TopK(ids [M, k] int32, weights [M, k] float32), e.g. router(router_logits) "
-                f"(got {type(topk).__name__})"
+                f"{name} must lie in [0, num_experts={p.num_experts}) (got values in [{low}, {high}])"
             )
-        if tuple(topk.ids.shape) != (hidden.shape[0], p.top_k):
-            raise MoEConfigError(
-                f"topk.ids must be [M, top_k] = [{hidden.shape[0]}, {p.top_k}] (got {list(topk.ids.shape)}); "
-                f"the kernel was built for {p.sizes}"
-            )
-        if topk.ids.device != hidden.device:
-            raise MoEConfigError(f"topk is on {topk.ids.device} but hidden is on {hidden.device}")
-        if validate and topk.ids.numel():
-            low, high = int(topk.ids.min()), int(topk.ids.max())
-            if low < 0 or high >= p.num_experts:
-                raise MoEConfigError(
-                    f"topk.ids must lie in [0, num_experts={p.num_experts}) (got values in [{low}, {high}])"
-                )
 
 
 def check_hidden(

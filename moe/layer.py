@@ -21,7 +21,7 @@ import torch
 
 from moe.build import build
 from moe.errors import MoEConfigError, SlowPathWarning
-from moe.kernel import ModularKernel, check_hidden
+from moe.kernel import ModularKernel, check_hidden, check_topk
 from moe.loaders import load_experts, requantize
 from moe.oracle import Plan, Policy, plan
 from moe.oracle.slow_path import slow_path
@@ -29,12 +29,13 @@ from moe.sharding import shard_weights
 from moe.platform import Platform
 from moe.problem import MoEProblem, ParallelConfig
 from moe.registry import experts_classes, get_experts
-from moe.router import Router
+from moe.router import Router, TopK
 from moe.weights import ExpertWeights, check_dense_for
 
 
 class FusedMoE(torch.nn.Module):
-    """A Mixture-of-Experts layer: ``forward(hidden_states [M, H], router_logits [M, E]) -> [M, H]``.
+    """A Mixture-of-Experts layer: ``forward(hidden_states [M, H], router_logits [M, E]) -> [M, H]``, or
+    ``forward(hidden_states, topk_ids=..., topk_weights=...)`` with routing computed elsewhere.
 
     >>> layer = FusedMoE(8, 2, 64, 32, dtype=torch.float32, quant="fp32")
     >>> layer.load_weights(w13=torch.randn(8, 64, 64) / 8, w2=torch.randn(8, 64, 32) / 8)
@@ -163,16 +164,39 @@ class FusedMoE(torch.nn.Module):
 
     # --- run -------------------------------------------------------------------------------------
     def forward(
-        self, hidden_states: torch.Tensor, router_logits: torch.Tensor, shared_output: torch.Tensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None = None,
+        shared_output: torch.Tensor | None = None,
+        *,
+        topk: TopK | None = None,
+        topk_ids: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        validate: bool = True,
     ) -> torch.Tensor:
-        """``[M, H]``; ``shared_output`` (a shared expert's result, DeepSeek-style) is added in finalize."""
+        """``[M, H]``, routed one of two ways:
+
+        - ``router_logits [M, E]``: the layer's own `Router` picks the experts;
+        - precomputed routing, for model code that routes itself: ``topk=TopK(...)``, or
+          ``topk_ids [M, k]`` (any integer dtype) with ``topk_weights [M, k]`` (any float dtype; the
+          weights are used as given: no scaling factor is applied to them).
+
+        ``validate`` (precomputed routing only) checks that every id lies in ``[0, E)``, which reads the
+        ids on the host; pass False where they are in range by construction (another router's output)
+        or inside a CUDA graph. ``shared_output`` (a shared expert's result) is added in finalize.
+        """
         if self.weights is None:
             raise MoEConfigError("FusedMoE has no weights; call load_weights or load_checkpoint first")
         # the layer's own argument names and sizes; the kernel checks hidden again under its own name
         check_hidden(self.problem, self.device, hidden_states, shared_output, name="hidden_states", owner="layer")
-        self._check_router_logits(router_logits, hidden_states)
+        given = _given_routing(router_logits, topk, topk_ids, topk_weights)
         bucket = self._bucket(hidden_states.shape[0])
         kernel = self._bucket_kernels[bucket]
+        if given is not None:
+            check_topk(self.problem, hidden_states, given, validate=validate,
+                       name="topk.ids" if topk is not None else "topk_ids")
+            return kernel.forward(hidden_states, given, validate=False, shared_output=shared_output)
+        self._check_router_logits(router_logits, hidden_states)
         if self._routes_in_kernel[bucket]:  # e.g. trtllm-gen routes from the logits itself
             return kernel.forward_logits(hidden_states, router_logits, self.router, shared_output=shared_output)
         return kernel.forward(hidden_states, self.router(router_logits), validate=False, shared_output=shared_output)
@@ -192,6 +216,34 @@ class FusedMoE(torch.nn.Module):
             raise MoEConfigError(
                 f"router_logits is on {router_logits.device} but hidden_states is on {hidden_states.device}"
             )
+
+
+def _given_routing(router_logits, topk, topk_ids, topk_weights) -> TopK | None:
+    """The precomputed routing as a `TopK` (ids int32, weights float32), or None when the layer routes
+    ``router_logits`` itself; exactly one of the three ways must be given."""
+    pair = topk_ids is not None or topk_weights is not None
+    ways = [name for name, given in (("router_logits", router_logits is not None), ("topk", topk is not None),
+                                     ("topk_ids/topk_weights", pair)) if given]
+    if len(ways) != 1:
+        raise MoEConfigError(
+            "FusedMoE.forward takes its routing one way: router_logits [M, E], topk=TopK(...), or "
+            f"topk_ids [M, k] with topk_weights [M, k] (got {' and '.join(ways) if ways else 'none of them'})"
+        )
+    if topk is not None or not pair:
+        return topk
+    if topk_ids is None or topk_weights is None:
+        missing = "topk_weights" if topk_weights is None else "topk_ids"
+        raise MoEConfigError(f"topk_ids and topk_weights go together; {missing} is missing")
+    for name, value, kind, test in (("topk_ids", topk_ids, "an integer", _is_integer),
+                                    ("topk_weights", topk_weights, "a floating-point", torch.is_floating_point)):
+        if not isinstance(value, torch.Tensor) or not test(value):
+            got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+            raise MoEConfigError(f"{name} must be {kind} torch.Tensor [M, k] (got {got})")
+    return TopK(topk_ids.to(torch.int32), topk_weights.to(torch.float32))
+
+
+def _is_integer(tensor: torch.Tensor) -> bool:
+    return not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype != torch.bool
 
 
 # what FusedMoE passes on to Router besides the routing, E and k (read from Router, not listed twice)

@@ -127,6 +127,11 @@ def logits(m: int = 3, experts: int = E) -> torch.Tensor:
     return torch.randn(m, experts)
 
 
+def ids(m: int = 3) -> torch.Tensor:
+    """int64 expert ids [m, K] in range, as model code that routes itself hands them in."""
+    return torch.stack([torch.randperm(E)[:K] for _ in range(m)])
+
+
 CASES = [
     # --- FusedMoE.forward: router_logits was blamed on M, hidden_states of the wrong rank was reported
     #     as a router_logits problem, and lists/arrays/meta tensors raised AttributeError/RuntimeError
@@ -147,6 +152,30 @@ CASES = [
     ("shared_output [2, H]", lambda: loaded()(x(), logits(), x(2)), ["shared_output", "[3, 128]", "[2, 128]"]),
     ("shared_output a list", lambda: loaded()(x(), logits(), [0.0]), ["shared_output", "got list"]),
     ("shared_output on meta", lambda: loaded()(x(), logits(), x().to("meta")), ["shared_output", "on meta"]),
+    # --- FusedMoE.forward with precomputed routing (issue 13's top-k entry point)
+    ("no routing at all", lambda: loaded()(x()), ["routing one way", "router_logits [M, E]", "got none of them"]),
+    ("logits and topk", lambda: loaded()(x(), logits(), topk=Router("softmax", E, K)(logits())),
+     ["routing one way", "got router_logits and topk"]),
+    ("topk_ids without weights", lambda: loaded()(x(), topk_ids=ids()), ["topk_ids and topk_weights go together",
+                                                                         "topk_weights is missing"]),
+    ("topk_ids float", lambda: loaded()(x(), topk_ids=ids().float(), topk_weights=torch.rand(3, K)),
+     ["topk_ids must be an integer torch.Tensor", "torch.float32"]),
+    ("topk_weights int", lambda: loaded()(x(), topk_ids=ids(), topk_weights=torch.ones(3, K, dtype=torch.int64)),
+     ["topk_weights must be a floating-point", "torch.int64"]),
+    ("topk_weights a list", lambda: loaded()(x(), topk_ids=ids(), topk_weights=[[0.5, 0.5]] * 3),
+     ["topk_weights must be a floating-point", "got list"]),
+    ("topk_ids out of range", lambda: loaded()(x(), topk_ids=ids() + E, topk_weights=torch.rand(3, K)),
+     ["topk_ids must lie in [0, num_experts=4)", "[4, 7]"]),
+    ("topk_ids negative", lambda: loaded()(x(), topk_ids=-ids() - 1, topk_weights=torch.rand(3, K)),
+     ["topk_ids must lie in [0, num_experts=4)"]),
+    ("topk_ids [M, k+1]", lambda: loaded()(x(), topk_ids=torch.zeros(3, K + 1, dtype=torch.int64),
+                                           topk_weights=torch.rand(3, K + 1)),
+     ["topk_ids must be [M, top_k] = [3, 2]", "got [3, 3]"]),
+    ("topk_ids for another M", lambda: loaded()(x(5), topk_ids=ids(), topk_weights=torch.rand(3, K)),
+     ["topk_ids must be [M, top_k] = [5, 2]", "got [3, 2]"]),
+    ("topk_ids and weights differ", lambda: loaded()(x(), topk_ids=ids(), topk_weights=torch.rand(3, K + 1)),
+     ["TopK ids and weights must both be [M, k]", "(3, 2)", "(3, 3)"]),
+    ("topk a tuple", lambda: loaded()(x(), topk=(ids(), torch.rand(3, K))), ["topk must be a moe.TopK", "got tuple"]),
     # --- FusedMoE.load_weights: a transposed w13 was reported as a w2 problem with the wrong H; None and
     #     meta tensors raised AttributeError/RuntimeError
     ("w13 transposed [E, H, 2I]", lambda: build().load_weights(w13=torch.randn(E, H, 2 * I), w2=torch.randn(E, H, I)),

@@ -31,6 +31,37 @@ def test_forward_matches_direct_float32_math():
     assert_close_moe(out, expected, "fp32")
 
 
+def test_precomputed_routing_is_used_as_given():
+    """Model code that routes itself: its ids and weights (int64, low precision, not summing to 1,
+    repeated experts) drive the experts exactly; the same as the TopK form and as a hand loop."""
+    layer = FusedMoE(E, K, H, I, dtype=torch.float32, quant="fp32", routed_scaling_factor=2.5)
+    w13, w2 = torch.randn(E, 2 * I, H) / 8, torch.randn(E, H, I) / 6
+    layer.load_weights(w13=w13, w2=w2)
+    x = torch.randn(4, H)
+    ids = torch.tensor([[3, 0], [1, 1], [2, 3], [0, 2]])  # int64, as transformers' routers return them
+    weights = torch.tensor([[0.7, 0.1], [0.5, 0.25], [1.5, -0.5], [0.0, 1.0]], dtype=torch.float16)
+    out = layer(x, topk_ids=ids, topk_weights=weights)
+    expected = torch.zeros(4, H)
+    for t in range(4):
+        for e, w in zip(ids[t].tolist(), weights[t].float()):
+            gate, up = (w13[e] @ x[t]).chunk(2)
+            expected[t] += w * (w2[e] @ (torch.nn.functional.silu(gate) * up))  # no routed scaling factor
+    assert_close_moe(out, expected, "fp32")
+    from moe import TopK
+    same = layer(x, topk=TopK(ids.to(torch.int32), weights.float()))
+    torch.testing.assert_close(same, out, rtol=0, atol=0)
+
+
+def test_precomputed_routing_of_the_layer_router_equals_routing_logits():
+    layer = FusedMoE(E, K, H, I, dtype=torch.float32, quant="fp32", routing="deepseek_v3", n_group=2, topk_group=1)
+    layer.load_weights(w13=torch.randn(E, 2 * I, H) / 8, w2=torch.randn(E, H, I) / 6)
+    x, logits = torch.randn(7, H), torch.randn(7, E)
+    topk = layer.router(logits)
+    torch.testing.assert_close(layer(x, topk=topk), layer(x, logits), rtol=0, atol=0)
+    torch.testing.assert_close(layer(x, topk_ids=topk.ids, topk_weights=topk.weights, validate=False),
+                               layer(x, logits), rtol=0, atol=0)
+
+
 def _fp4_dequant_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """GPT-OSS ``*_blocks [E, R, G, 16]`` + ``*_scales [E, R, G]`` -> float32 ``[E, R, G*32]``, by the table."""
     lut = torch.tensor(FP4_VALUES + [-v for v in FP4_VALUES])
