@@ -19,7 +19,7 @@ from moe.experts.reference import ReferenceExperts
 from moe.kernel import ModularKernel
 from moe.oracle import Policy, ProfileEntry, ProfileShape, load_profile, plan, save_profile
 from moe.oracle.cost import efficiency_at, estimate_experts, expected_experts_hit, gemm_precision, roofline
-from moe.oracle.profile import Profile, builtin_profile
+from moe.oracle.profile import Profile, builtin_profile, sibling_kinds
 from moe.platform import PRESET_NAMES, Platform
 from moe.prepare_finalize import LocalPrepareFinalize
 from moe.presets import load_preset, preset_names
@@ -309,3 +309,41 @@ def test_shipped_h200_measurements_set_the_gpt_oss_crossover():
     assert chosen == {1: "triton", 16: "triton", 64: "triton", 256: "flashinfer_cutlass",
                       1024: "flashinfer_cutlass", 4096: "flashinfer_cutlass"}
     assert all(b.chosen.experts.basis.startswith("measured at this shape") for b in result.buckets)
+
+
+def test_h100_reads_the_h200_measurements_against_the_h200_ceilings():
+    """Issue 14: an H100 plan uses the H200's measured profile (same SM90 architecture), each point's
+    efficiency taken against the H200's roofline, so time scales with the H100's own ceilings: a
+    memory-bound decode point costs 4.2/3.0 as long; a compute-bound one the same."""
+    problem = load_preset("qwen3-30b-a3b").problem(quant="bf16", max_tokens=8192)
+    h100, h200 = Platform.preset("h100"), Platform.preset("h200")
+    profile = builtin_profile()
+    at = {name: estimate_experts("triton", problem, platform, 1, profile) for name, platform in
+          (("h100", h100), ("h200", h200))}
+    assert at["h200"].basis.startswith("measured at this shape")
+    assert at["h100"].basis.startswith("measured on h200 at this shape, against its ceilings")
+    assert at["h100"].efficiency == pytest.approx(at["h200"].efficiency)
+    memory_ratio = h200.memory_bandwidth / h100.memory_bandwidth
+    assert roofline(problem, h100, 1).bound == "memory"
+    assert at["h100"].us == pytest.approx(at["h200"].us * memory_ratio)
+
+
+def test_a_guess_never_displaces_a_measurement_on_its_architecture():
+    """Issue 14: `plan --platform h100` picked flashinfer_cutedsl for M = 2-256 from a generic estimate
+    (0.45-0.72 of the roofline) over backends measured on the same architecture; now a backend with no
+    measurement there ranks with the default efficiency, and says why. Elsewhere (b200, nothing
+    measured) estimates still rank every backend."""
+    problem = load_preset("qwen3-30b-a3b").problem(quant="bf16", max_tokens=8192)
+    for name in ("h100", "h200"):
+        result = plan(problem, Platform.preset(name), Policy(buckets=(1, 4, 16, 64, 256, 1024, 4096, 8192)))
+        assert {b.chosen.pair.experts for b in result.buckets} <= {"triton", "flashinfer_cutlass"}, name
+        guessed = estimate_experts("flashinfer_cutedsl", problem, Platform.preset(name), 64, builtin_profile(),
+                                   experts_classes())
+        assert guessed.basis.startswith(f"not measured on {name}") and "a guess never displaces" in guessed.basis
+    # without peers (a prepare/finalize, or a caller that names none) the estimates stand
+    assert not estimate_experts("flashinfer_cutedsl", problem, h100 := Platform.preset("h100"), 64,
+                                builtin_profile()).basis.startswith("not measured")
+    b200 = estimate_experts("flashinfer_cutedsl", problem, Platform.preset("b200"), 64, builtin_profile(),
+                            experts_classes())
+    assert not b200.basis.startswith(("measured", "not measured")) and b200.efficiency > 0.1
+    assert sibling_kinds(h100) == ("h200",) and sibling_kinds(Platform.preset("cpu")) == ()

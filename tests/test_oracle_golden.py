@@ -182,12 +182,19 @@ def _from_profile(name: str, problem: MoEProblem, platform: Platform, tokens: in
     """``overhead + roofline / efficiency`` from the profile's points, interpolated in log2 M here.
 
     A measured point (the shipped H200 measurements) counts as the efficiency it reached on its own
-    shape: its shape's roofline over the measured time, with no overhead.
+    shape: its shape's roofline, on the preset it was measured on (an H100 plan reads the H200's
+    points against the H200's ceilings), over the measured time, with no overhead. An experts
+    backend competes with the other experts backends (a measured peer rules out estimates).
     """
-    points, _ = profile.points(name, platform, problem.quant_name, ProfileShape.of(problem))
+    peers = experts_classes() if name in experts_classes() else ()
+    points, _ = profile.points(name, platform, problem.quant_name, ProfileShape.of(problem), peers)
     if not points:
         return DEFAULT_OVERHEAD_US + roofline_us / DEFAULT_EFFICIENCY
-    effs = [(roofline(p.shape.problem(p.quant, max(p.tokens, 1)), platform, p.tokens).us / p.measured_us, 0.0)
+
+    def measured_on(point) -> Platform:
+        return platform if point.platform == platform.kind else Platform.preset(point.platform)
+
+    effs = [(roofline(p.shape.problem(p.quant, max(p.tokens, 1)), measured_on(p), p.tokens).us / p.measured_us, 0.0)
             if p.measured else (p.efficiency, p.overhead_us) for p in points]
     xs = [math.log2(p.tokens) for p in points]
     x = min(max(math.log2(tokens), xs[0]), xs[-1])
@@ -246,8 +253,9 @@ def _assert_chosen(case: Case, result, bucket) -> None:
 # --- a profile number moves only the rows whose order it decides -------------------------------------
 def test_raising_one_profile_number_moves_only_its_rows(tmp_path):
     """flashinfer_cutlass estimated at 100% of the roofline with no overhead: it wins wherever it can
-    serve and was not measured; rows where capabilities reject it, or where it was measured (the
-    shipped H200 profile), keep their choice."""
+    serve and its estimates are used; rows where capabilities reject it, where it was measured (the
+    shipped H200 profile, which an H100 reads too), or where another experts backend was measured for
+    the scheme on that architecture (then no estimate stands in), keep their choice."""
     rows = [c for c in CASES if c.ep == 1 and not c.remove]
     profile = tmp_path / "cutlass-perfect.yaml"
     points: dict[str, list] = {}
@@ -263,10 +271,11 @@ def test_raising_one_profile_number_moves_only_its_rows(tmp_path):
         before, after = _plan(case), _plan(case, boosted)
         cutlass_viable = not dict((c.name, c.reasons) for c in before.candidates)["flashinfer_cutlass"]
         problem, platform = _problem(case, TOKENS[-1]), _platform(case)
-        _, basis = builtin_profile().points("flashinfer_cutlass", platform, problem.quant_name, ProfileShape.of(problem))
-        measured = basis.startswith("measured")  # a measurement outranks any estimate, boosted or not
+        _, basis = builtin_profile().points("flashinfer_cutlass", platform, problem.quant_name,
+                                            ProfileShape.of(problem), experts_classes())
+        estimated = not basis.startswith(("measured", "not measured"))  # what the boost replaces
         for b0, b1 in zip(before.buckets, after.buckets):
-            if cutlass_viable and not measured:
+            if cutlass_viable and estimated:
                 assert b1.chosen.pair.experts == "flashinfer_cutlass", (case.id, b1.high)
             else:
                 assert b1.chosen.pair == b0.chosen.pair, (case.id, b1.high)

@@ -29,10 +29,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterable
 
 from moe.errors import MoEConfigError
 from moe.formats import ActivationFormat
-from moe.oracle.profile import DEFAULT_EFFICIENCY, DEFAULT_OVERHEAD_US, Profile, ProfileEntry, ProfileShape
+from moe.oracle.profile import (
+    DEFAULT_EFFICIENCY,
+    DEFAULT_OVERHEAD_US,
+    Profile,
+    ProfileEntry,
+    ProfileShape,
+    measured_on,
+)
 from moe.platform import Platform
 from moe.problem import MoEProblem
 from moe.quant import QuantFormat
@@ -127,7 +135,7 @@ def _point_efficiency(point: ProfileEntry, platform: Platform) -> tuple[float, f
     if not point.measured:
         return point.efficiency, point.overhead_us
     shape_problem = point.shape.problem(point.quant, max(point.tokens, 1))
-    efficiency = roofline(shape_problem, platform, point.tokens).us / point.measured_us
+    efficiency = roofline(shape_problem, measured_on(point, platform), point.tokens).us / point.measured_us
     return efficiency, 0.0
 
 
@@ -146,15 +154,17 @@ def efficiency_at(points: tuple[ProfileEntry, ...], platform: Platform, tokens: 
 
 
 def _estimate(name: str, roofline_us: float, problem: MoEProblem, platform: Platform, tokens: int,
-              profile: Profile) -> Estimate:
-    points, basis = profile.points(name, platform, problem.quant_name, ProfileShape.of(problem))
+              profile: Profile, peers: Iterable[str] = ()) -> Estimate:
+    points, basis = profile.points(name, platform, problem.quant_name, ProfileShape.of(problem), peers)
     efficiency, overhead = efficiency_at(points, platform, tokens)
     return Estimate(overhead + roofline_us / efficiency, roofline_us, efficiency, overhead, basis)
 
 
-def estimate_experts(name: str, problem: MoEProblem, platform: Platform, tokens: int, profile: Profile) -> Estimate:
-    """Estimated time of Experts backend ``name`` for M=``tokens``."""
-    return _estimate(name, roofline(problem, platform, tokens).us, problem, platform, tokens, profile)
+def estimate_experts(name: str, problem: MoEProblem, platform: Platform, tokens: int, profile: Profile,
+                     peers: Iterable[str] = ()) -> Estimate:
+    """Estimated time of Experts backend ``name`` for M=``tokens``; ``peers``, the experts backends it
+    competes with, decide whether a generic estimate may stand in for a measurement (`Profile.points`)."""
+    return _estimate(name, roofline(problem, platform, tokens).us, problem, platform, tokens, profile, peers)
 
 
 def transport_us(pf_format: ActivationFormat, quantizes: bool, problem: MoEProblem, platform: Platform,

@@ -26,10 +26,16 @@ measurements with ``save_profile``; the oracle reads them from a policy's ``prof
 
 Which points the oracle uses for (backend, platform, quant), first non-empty wins:
 
-1. measured points for (backend, platform.kind or platform.name, quant), from any file;
-2. estimated points for (backend, platform, quant), then (backend, platform, "*"),
-   then (backend, "*", quant), then (backend, "*", "*");
-3. none: ``DEFAULT_EFFICIENCY`` and ``DEFAULT_OVERHEAD_US`` -- pessimistic on purpose, so that an
+1. measured points for (backend, platform.kind or platform.name, quant), from any file, those at the
+   problem's own shape first;
+2. measured points of a sibling platform (another preset of the same architecture: an H100 reads the
+   H200's measurements), each divided by its shape's roofline *on the platform it was measured on*,
+   so the efficiency carries over and the sibling's ceilings scale the time;
+3. if a peer (another experts backend) is measured for this scheme on this architecture, nothing
+   more: the backend takes ``DEFAULT_EFFICIENCY`` (a generic guess never displaces a measurement);
+   otherwise estimated points for (backend, platform, quant), then (backend, platform, "*"), then
+   (backend, "*", quant), then (backend, "*", "*");
+4. none: ``DEFAULT_EFFICIENCY`` and ``DEFAULT_OVERHEAD_US`` -- pessimistic on purpose, so that an
    unmeasured plugin never displaces a profiled backend -- said so in the explanation.
 
 Within one level, a later file's points replace an earlier file's points at the same tokens.
@@ -45,7 +51,7 @@ from typing import Any, Iterable
 import yaml
 
 from moe.errors import MoEConfigError
-from moe.platform import Platform
+from moe.platform import PRESET_NAMES, Platform
 from moe.problem import MoEProblem
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
@@ -142,30 +148,69 @@ class Profile:
     def merged(self, other: "Profile") -> "Profile":
         return Profile(self.entries + other.entries)
 
-    def points(self, backend: str, platform: Platform, quant: str,
-               shape: ProfileShape | None = None) -> tuple[tuple[ProfileEntry, ...], str]:
+    def points(self, backend: str, platform: Platform, quant: str, shape: ProfileShape | None = None,
+               peers: Iterable[str] = ()) -> tuple[tuple[ProfileEntry, ...], str]:
         """The points to use and a description of where they come from (see the module docstring).
 
         Measurements of the problem's own ``shape`` come first; measurements of other shapes are used
-        as efficiencies against their own rooflines.
+        as efficiencies against their own rooflines. ``peers``: the backends this one competes with
+        (the experts backends, for an experts backend); where any of them is measured for ``quant``
+        on this architecture, this one's estimates are not used.
         """
         mine = [e for e in self.entries if e.backend == backend]
-        names = {platform.kind, platform.name}
+        names, kin = {platform.kind, platform.name}, set(sibling_kinds(platform))
         measured = [e for e in mine if e.measured and e.platform in names and e.quant == quant]
+        theirs = [e for e in mine if e.measured and e.platform in kin and e.quant == quant]
         levels = [
-            ("measured at this shape", [e for e in measured if shape is not None and e.shape.same_layer(shape)]),
+            ("measured at this shape", _at(measured, shape)),
             ("measured at other shapes", measured),
-            (f"{platform.kind}, {quant}", _estimates(mine, names, {quant})),
-            (f"{platform.kind}, any scheme", _estimates(mine, names, {ANY})),
-            (f"any platform, {quant}", _estimates(mine, {ANY}, {quant})),
-            ("any platform, any scheme", _estimates(mine, {ANY}, {ANY})),
+            (f"measured on {_joined(theirs)} at this shape, against its ceilings", _at(theirs, shape)),
+            (f"measured on {_joined(theirs)} at other shapes, against its ceilings", theirs),
         ]
+        peers = set(peers)
+        if not any(e.measured and e.backend in peers and e.platform in names | kin and e.quant == quant
+                   for e in self.entries):
+            levels += [
+                (f"{platform.kind}, {quant}", _estimates(mine, names, {quant})),
+                (f"{platform.kind}, any scheme", _estimates(mine, names, {ANY})),
+                (f"any platform, {quant}", _estimates(mine, {ANY}, {quant})),
+                ("any platform, any scheme", _estimates(mine, {ANY}, {ANY})),
+            ]
         for label, found in levels:
             if found:
                 points = _latest_per_tokens(found)
                 files = sorted({Path(e.source).name for e in points if e.source})
                 return points, f"{label} ({', '.join(files) or 'given'})"
+        if len(levels) == 4:  # peers are measured for this scheme on this architecture
+            return (), (f"not measured on {platform.kind} or its architecture while other backends are: default "
+                        f"efficiency {DEFAULT_EFFICIENCY}, overhead {DEFAULT_OVERHEAD_US} us (a guess never "
+                        "displaces a measurement; python -m moe bench --save-profile measures it)")
         return (), f"no profile entry: default efficiency {DEFAULT_EFFICIENCY}, overhead {DEFAULT_OVERHEAD_US} us"
+
+
+def sibling_kinds(platform: Platform) -> tuple[str, ...]:
+    """The other platform presets of ``platform``'s architecture (same device type and compute
+    capability: h100 <-> h200), whose measurements stand in for its own, as efficiencies."""
+    if platform.capability is None:
+        return ()
+    return tuple(name for name in PRESET_NAMES if name != platform.kind
+                 and Platform.preset(name).capability == platform.capability)
+
+
+def measured_on(point: ProfileEntry, platform: Platform) -> Platform:
+    """The platform whose ceilings a measured ``point`` is divided by: its own preset when it was taken
+    on a sibling of ``platform``, else ``platform``."""
+    if point.platform in (platform.kind, platform.name) or point.platform not in PRESET_NAMES:
+        return platform
+    return Platform.preset(point.platform)
+
+
+def _at(entries: list[ProfileEntry], shape: ProfileShape | None) -> list[ProfileEntry]:
+    return [e for e in entries if shape is not None and e.shape.same_layer(shape)]
+
+
+def _joined(entries: list[ProfileEntry]) -> str:
+    return "/".join(sorted({e.platform for e in entries})) or "a sibling"
 
 
 def _estimates(entries: list[ProfileEntry], platforms: set[str], quants: set[str]) -> list[ProfileEntry]:

@@ -255,7 +255,7 @@ def _score(pair: Pair, pf_cls: type, experts_cls: type, problem: MoEProblem, pla
     quantizes = activation_quant(experts_cls, problem) is not QuantFormat.NONE  # prepare quantizes the activations
     return Scored(
         pair,
-        estimate_experts(pair.experts, problem, platform, tokens, profile),
+        estimate_experts(pair.experts, problem, platform, tokens, profile, experts_classes()),
         estimate_transport(pair.prepare_finalize, pf_cls.transport.format, quantizes, problem, platform, tokens,
                            profile),
     )
