@@ -20,7 +20,7 @@ with warnings.catch_warnings():
     import torch  # noqa: F401
 
 from moe.activation import Activation, ActivationKind  # noqa: E402
-from moe.errors import MoEConfigError, MoEError, SlowPathWarning, UnsupportedError, WorkspaceError
+from moe.errors import CacheWarning, MoEConfigError, MoEError, SlowPathWarning, UnsupportedError, WorkspaceError
 from moe.experts import Capabilities, Experts, Mode, ReferenceExperts, TorchGroupedExperts
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
 from moe.kernel import ModularKernel
@@ -43,6 +43,7 @@ __all__ = [
     "ActivationKind",
     "BatchedPrepareFinalize",
     "BrokenPluginWarning",
+    "CacheWarning",
     "Capabilities",
     "DispatchShape",
     "Dispatched",

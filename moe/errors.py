@@ -34,3 +34,8 @@ class WorkspaceError(MoEError, RuntimeError):
 
 class SlowPathWarning(UserWarning):
     """A layer on a GPU that only the reference experts can serve (``moe.oracle.slow_path``)."""
+
+
+class CacheWarning(UserWarning):
+    """A tuning-cache entry (``moe.cache``) that is ignored -- corrupt, stale, for another key, or
+    unreadable -- or a ``MOE_CACHE_DIR`` that cannot be used; the load goes on without it."""

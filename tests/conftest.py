@@ -1,4 +1,5 @@
-"""Shared test fixtures: seeded randomness, and `gpu` tests skipped where there is no CUDA."""
+"""Shared test fixtures: seeded randomness, a tuning cache per test, and `gpu` tests skipped where there
+is no CUDA."""
 
 import pytest
 import torch
@@ -16,3 +17,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _tuning_cache(tmp_path_factory, monkeypatch):
+    """Each test's own tuning cache (``MOE_CACHE_DIR``): none reads or writes the user's ~/.cache/moe."""
+    monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path_factory.mktemp("moe-cache")))

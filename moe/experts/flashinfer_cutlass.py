@@ -43,7 +43,8 @@ from moe.experts._flashinfer.base import (
 )
 from moe.experts._flashinfer.cutlass_modes import CutlassWeights
 from moe.experts._flashinfer.layouts import Geometry
-from moe.experts._flashinfer.library import activation_type, autotuning, flashinfer_module, flashinfer_moe_features
+from moe.experts._flashinfer.library import activation_type, flashinfer_module, flashinfer_moe_features
+from moe.experts._flashinfer.tactics import tuned_warmup
 from moe.experts.base import Capabilities, ExpertLayout
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
 from moe.problem import MoEProblem
@@ -178,15 +179,15 @@ class FlashInferCutlassExperts(FlashInferExperts):
         """Autotunes the GEMM tactics for every token bucket up to ``max_tokens`` (or ``buckets``).
 
         Run once after ``prepare_weights`` and before serving or CUDA-graph capture; the hot path then
-        only looks the tactic of its bucket up.
+        only looks the tactic of its bucket up. The tactics come from the tuning cache when it has them
+        (``moe.cache``; `tactics.tuned_warmup`).
         """
         device = weights.w13.device
         rows = self.tune_max_tokens
         buckets = tuple(b for b in (buckets or DEFAULT_TUNING_BUCKETS) if b <= rows) or (rows,)
         dispatched = synthetic_dispatch(self.problem, rows, device)
         workspace = WorkspaceManager(device).take(self.workspace_shapes(DispatchShape(ActivationFormat.STANDARD, rows)))
-        with autotuning(buckets):
-            self.apply(dispatched, weights, workspace)
+        tuned_warmup(self, buckets, device, lambda: self.apply(dispatched, weights, workspace))
 
 
 

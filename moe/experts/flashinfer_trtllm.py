@@ -38,7 +38,8 @@ from moe.experts._flashinfer import layouts
 from moe.experts._flashinfer import trtllm_modes as modes
 from moe.experts._flashinfer.base import SM100_FAMILY, FlashInferExperts, flashinfer_mode, synthetic_dispatch
 from moe.experts._flashinfer.layouts import Geometry
-from moe.experts._flashinfer.library import activation_type, autotuning, flashinfer_module
+from moe.experts._flashinfer.library import activation_type, flashinfer_module
+from moe.experts._flashinfer.tactics import tuned_warmup
 from moe.experts._flashinfer.trtllm_modes import TrtllmWeights
 from moe.experts.base import Capabilities, ExpertLayout
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
@@ -194,9 +195,10 @@ class FlashInferTrtllmExperts(FlashInferExperts):
 
     # --- warm-up -----------------------------------------------------------------------------
     def warmup(self, weights: TrtllmWeights, buckets: tuple[int, ...] | None = None) -> None:
-        """Autotunes the kernels per token bucket (FlashInfer's autotuner), once, before serving."""
+        """Autotunes the kernels per token bucket (FlashInfer's autotuner), once, before serving; the
+        tactics come from the tuning cache when it has them (``moe.cache``; `tactics.tuned_warmup`)."""
         device, rows = weights.w13.device, self.tune_max_tokens
         dispatched = synthetic_dispatch(self.problem, rows, device, self.problem.quant.activation)
         workspace = WorkspaceManager(device).take(self.workspace_shapes(DispatchShape(ActivationFormat.STANDARD, rows)))
-        with autotuning(tuple(b for b in buckets if b <= rows) if buckets else None):
-            self.apply(dispatched, weights, workspace)
+        buckets = tuple(b for b in buckets if b <= rows) if buckets else None
+        tuned_warmup(self, buckets or None, device, lambda: self.apply(dispatched, weights, workspace))

@@ -1,4 +1,4 @@
-"""``python -m moe {demo, plan, backends, bench, tune}``: the command line.
+"""``python -m moe {demo, plan, backends, bench, tune, cache}``: the command line.
 
 A configuration error (a `moe.errors.MoEError`, or a flag argparse refuses) is printed as one line,
 ``python -m moe <command>: error: <message>``, with the reasons below it when there are several, and
@@ -193,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
          "moe.tools.bench", "add_bench_arguments", "bench_command")
     _add(sub, "tune", "search Triton launch configurations and write them as data files",
          "moe.tools.tune", "add_tune_arguments", "tune_command")
+    _add(sub, "cache", "show the tuning cache (MOE_CACHE_DIR): where it is, its entries and sizes; --clear empties it",
+         "moe.tools.cache_cli", "add_cache_arguments", "cache_command")
     return parser
 
 

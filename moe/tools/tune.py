@@ -5,8 +5,9 @@ GEMMs are timed separately (CUDA-graph replays, two input sets with different ro
 the weights are not all cache-hot); the three best plans and the table's current config for M are
 then timed end to end, taking turns, and the fastest wins (so a re-tune never makes a bucket slower). All candidate
 kernels are compiled first, in parallel worker processes, into Triton's on-disk cache. The result
-is one `ConfigTable` file per (shape, scheme, device) in ``moe/experts/_triton/configs/`` (or
-``--out``), which `TritonExperts` loads at ``prepare_weights``. A progress bar goes to stderr.
+is one `ConfigTable` file per (shape, scheme, device) in ``triton/`` of the tuning cache (``moe.cache``;
+the packaged ``moe/experts/_triton/configs/`` when the cache is off, or ``--out``), which
+`TritonExperts` loads at ``prepare_weights``. A progress bar goes to stderr.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import multiprocessing
 import os
 import statistics
 import sys
-import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +27,7 @@ import torch
 
 from moe.errors import MoEConfigError, UnsupportedError
 from moe.experts._triton.align import align_block_size
-from moe.experts._triton.config import CONFIG_DIR, ConfigTable, LaunchConfig, TileConfig
+from moe.experts._triton.config import CONFIG_DIR, ConfigTable, LaunchConfig, TileConfig, triton_cache_dir
 from moe.experts._triton.gemm import DirectRows, SortedRows, gemm_launch, precompile
 from moe.experts._triton.rows import RowValidity
 from moe.experts._triton.support import config_key, quantize_activation
@@ -39,24 +39,9 @@ from moe.registry import get_experts
 from moe.tools.bench import backend_calls, build_weights, make_inputs, time_calls
 from moe.tools.cli_args import comma_separated, int_at_least, one_of
 from moe.workspace import WorkspaceManager
+from moe.progress import Progress
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-
-
-class Progress:
-    """A one-line text progress bar on stderr."""
-    def __init__(self, total: int, label: str):
-        self.total, self.done, self.label, self.start = max(total, 1), 0, label, time.time()
-
-    def step(self, note: str = "") -> None:
-        self.done += 1
-        filled = int(30 * self.done / self.total)
-        elapsed = time.time() - self.start
-        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
-                         f"{elapsed:.0f}s {note[:50]:<50}")
-        if self.done >= self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
 
 
 # --- the search space --------------------------------------------------------------------------------
@@ -248,7 +233,8 @@ def tune_preset(preset_name: str, quant: str, tokens, out_dir: Path, workers: in
     problem = preset.problem(quant=quant, max_tokens=max(tokens))
     weights = build_weights(problem, device)
     key = config_key(problem, "standard", device)
-    configs = dict(ConfigTable.load(key, out_dir).configs)  # buckets tuned before are kept
+    # buckets tuned before are kept: those in out_dir, else the table a load would read
+    configs = dict((ConfigTable.load(key, out_dir) if (out_dir / key.filename).exists() else ConfigTable.load(key)).configs)
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         for m in tokens:
@@ -270,12 +256,16 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
                         default=["bf16"], help="comma-separated schemes (default bf16)")
     parser.add_argument("--tokens", type=comma_separated(int_at_least(1), "256,1024"), default=list(DEFAULT_TOKENS),
                         help="comma-separated token counts M >= 1 to tune (the buckets)")
-    parser.add_argument("--out", default=str(CONFIG_DIR), help="directory for the config files")
+    parser.add_argument("--out", default=None, help="directory for the config files (default: triton/ in the "
+                        "tuning cache, $MOE_CACHE_DIR or ~/.cache/moe, which loads read before the packaged "
+                        f"tables; with the cache off, the packaged {CONFIG_DIR})")
     parser.add_argument("--workers", type=int_at_least(1), default=min(16, os.cpu_count() or 1),
                         help="processes compiling kernels in parallel")
 
 
 def tune_command(args: argparse.Namespace) -> int:
+    if args.out is None:
+        args.out = str(triton_cache_dir() or CONFIG_DIR)
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise MoEConfigError(f"--out {args.out}: exists and is not a folder")
     for preset in args.preset:  # what the Triton experts cannot serve is refused before any compiling

@@ -3,6 +3,8 @@
 A file in ``configs/`` holds one `ConfigKey`'s table: a `LaunchConfig` per token count M (the
 bucket). ``python -m moe tune`` writes them; `ConfigTable.load` reads the one matching a key and
 `ConfigTable.lookup` picks the bucket nearest to M (log scale), or the default when there is none.
+Tables in the tuning cache (``$MOE_CACHE_DIR/triton/``, where ``moe tune`` writes by default) come
+before the packaged ones.
 
 File name: ``E=128,k=8,H=2048,I=768,silu,bf16,standard,NVIDIA_H200.json``; content::
 
@@ -18,6 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe.cache import atomic_write, cache_dir, warn_ignored
 from moe.errors import MoEConfigError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -92,22 +95,33 @@ class ConfigTable:
     configs: tuple[tuple[int, LaunchConfig], ...] = ()  # (M, config), ascending M
 
     @classmethod
-    def load(cls, key: ConfigKey, directory: Path = CONFIG_DIR) -> "ConfigTable":
+    def load(cls, key: ConfigKey, directory: Path | None = None) -> "ConfigTable":
+        """The table of ``key`` in ``directory``; None: the tuning cache's (`cached_table`), else the
+        packaged one. No file: an empty table (the default config)."""
+        if directory is None:
+            cached = cached_table(key)
+            if cached is not None:
+                return cached
+            directory = CONFIG_DIR
         path = directory / key.filename
         if not path.exists():
             return cls(key)
-        data = json.loads(path.read_text())
+        return cls.from_json(key, json.loads(path.read_text()))
+
+    @classmethod
+    def from_json(cls, key: ConfigKey, data: dict) -> "ConfigTable":
+        """A table from a file's content (``{"key": ..., "configs": {M: config}}``)."""
         configs = sorted((int(m), LaunchConfig.from_dict(c)) for m, c in data["configs"].items())
         return cls(key, tuple(configs))
 
     def save(self, directory: Path = CONFIG_DIR) -> Path:
-        directory.mkdir(parents=True, exist_ok=True)
+        """Writes the table into ``directory`` (atomically: a reader never sees half a file)."""
         path = directory / self.key.filename
         data = {
             "key": dataclasses.asdict(self.key),
             "configs": {str(m): c.to_dict() for m, c in self.configs},
         }
-        path.write_text(json.dumps(data, indent=1) + "\n")
+        atomic_write(path, json.dumps(data, indent=1) + "\n")
         return path
 
     @property
@@ -123,6 +137,31 @@ class ConfigTable:
             return default_config(self.key, num_tokens)
         target = math.log2(max(num_tokens, 1))
         return min(usable, key=lambda mc: (abs(math.log2(mc[0]) - target), -mc[0]))[1]
+
+
+def triton_cache_dir() -> Path | None:
+    """Where ``moe tune`` writes tables by default and `ConfigTable.load` looks first: ``triton/`` in
+    the tuning cache (``MOE_CACHE_DIR``); None when the cache is off or unusable."""
+    root = cache_dir()
+    return None if root is None else root / "triton"
+
+
+def cached_table(key: ConfigKey) -> ConfigTable | None:
+    """The table of ``key`` in the tuning cache, or None: none there, or one that cannot be trusted
+    (unreadable, corrupt, or written for another key: one `CacheWarning`, and the packaged table
+    serves). Not keyed by library versions, like the packaged tables: a launch config stays correct
+    across versions, only its speed may change."""
+    folder = triton_cache_dir()
+    path = None if folder is None else folder / key.filename
+    if path is None or not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] != dataclasses.asdict(key):
+            return warn_ignored(path, f"wrong key: it holds {data['key']}")
+        return ConfigTable.from_json(key, data)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:  # MoEConfigError is a ValueError
+        return warn_ignored(path, f"corrupt or unreadable ({error!r})")
 
 
 def default_config(key: ConfigKey, num_tokens: int) -> LaunchConfig:
