@@ -228,11 +228,17 @@ def check_topk(problem: MoEProblem, hidden: torch.Tensor, topk: TopK, *, validat
         )
     if topk.ids.device != hidden.device:
         raise MoEConfigError(f"{name} is on {topk.ids.device} but hidden is on {hidden.device}")
-    if validate and topk.ids.numel():
-        low, high = int(topk.ids.min()), int(topk.ids.max())
-        if low < 0 or high >= p.num_experts:
+    if validate:
+        check_ids_in_range(p, topk.ids, name)
+
+
+def check_ids_in_range(problem: MoEProblem, ids: torch.Tensor, name: str) -> None:
+    """Raises `MoEConfigError` naming ``name`` unless every id is in ``[0, E)``: a host read of the ids."""
+    if ids.numel():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= problem.num_experts:
             raise MoEConfigError(
-                f"{name} must lie in [0, num_experts={p.num_experts}) (got values in [{low}, {high}])"
+                f"{name} must lie in [0, num_experts={problem.num_experts}) (got values in [{low}, {high}])"
             )
 
 
@@ -269,12 +275,14 @@ def check_hidden(
         )
     if shared_output is None:
         return
-    want = f"[{hidden.shape[0]}, {hidden.shape[1]}] {hidden.dtype} on {hidden.device}"
+    # a function, not a string: formatting M would specialize it under torch.compile
+    def want() -> str:
+        return f"[{hidden.shape[0]}, {hidden.shape[1]}] {hidden.dtype} on {hidden.device}"
     if not isinstance(shared_output, torch.Tensor):
-        raise MoEConfigError(f"shared_output must match {name}: {want} (got {type(shared_output).__name__})")
+        raise MoEConfigError(f"shared_output must match {name}: {want()} (got {type(shared_output).__name__})")
     if (shared_output.shape, shared_output.dtype, shared_output.device) != (hidden.shape, hidden.dtype, hidden.device):
         raise MoEConfigError(
-            f"shared_output must match {name}: {want} "
+            f"shared_output must match {name}: {want()} "
             f"(got {list(shared_output.shape)} {shared_output.dtype} on {shared_output.device})"
         )
 
