@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from moe.errors import MoEConfigError
+from moe.errors import MoEConfigError, UnsupportedError
 from moe.kernel import check_ids_in_range
 
 if TYPE_CHECKING:
@@ -87,5 +87,49 @@ def _fused_moe_fake(hidden_states, router_logits, topk_ids, topk_weights, shared
     return hidden_states.new_empty(hidden_states.shape)
 
 
+@torch.library.custom_op("moe::fused_moe_backward", mutates_args=())
+def _no_backward(grad: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """Stands for the gradient of one input of ``moe::fused_moe``: raises when a backward runs. An op (not
+    an error raised in the autograd formula) so that compiling with gradients enabled still works --
+    AOTAutograd traces the backward at compile time -- and only running a backward fails."""
+    raise UnsupportedError(
+        "FusedMoE has no backward (it is an inference layer); run it under torch.no_grad() or "
+        "torch.inference_mode(), or detach its output"
+    )
+
+
+@_no_backward.register_fake
+def _no_backward_fake(grad, shape):
+    return grad.new_empty(shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.shapes = [None if t is None else t.shape for t in inputs[:5]]  # the five tensor arguments
+
+
+def _backward(ctx, grad):
+    # every tensor input gets a gradient that raises, so none is silently left without one
+    grads = tuple(None if shape is None else _no_backward(grad, shape) for shape in ctx.shapes)
+    return grads + (None, None, None)
+
+
+fused_moe.register_autograd(_backward, setup_context=_setup_context)
+
+
 def _capturing(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def mark_tokens_dynamic(*tensors: torch.Tensor, dim: int = 0) -> None:
+    """Marks ``dim`` of each tensor, before its first compiled call, as the token count M: one unbacked
+    size shared by all of them, so that one graph serves every M in ``0..max_tokens``.
+
+    Dynamo otherwise specializes sizes 0 and 1 (a first call with M = 1 compiles for M = 1 only, and a
+    later M compiles again); ``mark_unbacked`` does not, and the shared ``shape_id`` tells it these
+    tensors (hidden states, router logits or topk ids and weights, a shared expert's output) have the
+    same M. Mark the inputs of the compiled callable: sizes computed inside it follow them.
+    """
+    from torch._dynamo.decorators import mark_unbacked  # a torch.compile tool: imported where it is used
+
+    for tensor in tensors:
+        mark_unbacked(tensor, dim, shape_id="moe_tokens")

@@ -18,6 +18,7 @@ import bisect
 from typing import Any, Sequence
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from moe.compose import activation_quant, composition_problems
 from moe.errors import MoEConfigError
@@ -221,7 +222,7 @@ def check_topk(problem: MoEProblem, hidden: torch.Tensor, topk: TopK, *, validat
             f"topk must be a moe.TopK(ids [M, k] int32, weights [M, k] float32), e.g. router(router_logits) "
             f"(got {type(topk).__name__})"
         )
-    if tuple(topk.ids.shape) != (hidden.shape[0], p.top_k):
+    if sizes_differ(topk.ids.shape, (hidden.shape[0], p.top_k)):
         raise MoEConfigError(
             f"{name} must be [M, top_k] = [{hidden.shape[0]}, {p.top_k}] (got {list(topk.ids.shape)}); "
             f"the kernel was built for {p.sizes}"
@@ -268,7 +269,9 @@ def check_hidden(
         raise MoEConfigError(f"{name} must be {p.dtype}, the dtype {built} (got {hidden.dtype})")
     if hidden.device.type != torch.device(device).type:
         raise MoEConfigError(f"{name} is on {hidden.device} but {built} {device}")
-    if hidden.shape[0] > p.max_tokens:
+    # an unbacked M (torch.compile, mark_unbacked) cannot be compared at trace time; the layer's bucket
+    # lookup raises the same error when the op runs
+    if guard_or_false(hidden.shape[0] > p.max_tokens):
         raise MoEConfigError(
             f"{name} has M={hidden.shape[0]} tokens, which exceeds max_tokens={p.max_tokens} {built}; "
             f"build the {owner} with a larger max_tokens or split the batch"
@@ -280,12 +283,19 @@ def check_hidden(
         return f"[{hidden.shape[0]}, {hidden.shape[1]}] {hidden.dtype} on {hidden.device}"
     if not isinstance(shared_output, torch.Tensor):
         raise MoEConfigError(f"shared_output must match {name}: {want()} (got {type(shared_output).__name__})")
-    if (shared_output.shape, shared_output.dtype, shared_output.device) != (hidden.shape, hidden.dtype, hidden.device):
+    if sizes_differ(shared_output.shape, hidden.shape) or (shared_output.dtype, shared_output.device) != (hidden.dtype, hidden.device):
         raise MoEConfigError(
             f"shared_output must match {name}: {want()} "
             f"(got {list(shared_output.shape)} {shared_output.dtype} on {shared_output.device})"
         )
 
+
+
+def sizes_differ(got: Sequence, want: Sequence) -> bool:
+    """True when the sizes ``got`` and ``want`` certainly differ. Under ``torch.compile`` a pair that
+    cannot be decided at trace time (an unbacked M against another unbacked M) counts as equal here, so
+    the check does not break the trace; the kernel inside ``moe::fused_moe`` checks it again when it runs."""
+    return len(got) != len(want) or any(guard_or_false(a != b) for a, b in zip(got, want))
 
 
 def _manager(workspace: WorkspaceManager | None, device: torch.device | str) -> WorkspaceManager:

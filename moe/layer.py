@@ -22,7 +22,7 @@ import torch
 from moe.build import build
 from moe.custom_op import fused_moe, register
 from moe.errors import MoEConfigError, SlowPathWarning
-from moe.kernel import ModularKernel, check_hidden, check_topk
+from moe.kernel import ModularKernel, check_hidden, check_topk, sizes_differ
 from moe.loaders import load_experts, requantize
 from moe.oracle import Plan, Policy, plan
 from moe.oracle.slow_path import slow_path
@@ -239,7 +239,7 @@ class FusedMoE(torch.nn.Module):
             return f"[M, num_experts] = [{tokens}, {p.num_experts}] (M = hidden_states.shape[0])"
         if not isinstance(router_logits, torch.Tensor):
             raise MoEConfigError(f"router_logits must be a torch.Tensor {want()} (got {type(router_logits).__name__})")
-        if tuple(router_logits.shape) != (tokens, p.num_experts):
+        if sizes_differ(router_logits.shape, (tokens, p.num_experts)):
             raise MoEConfigError(
                 f"router_logits must be {want()} (got shape {list(router_logits.shape)}); the layer was built for {p.sizes}"
             )
