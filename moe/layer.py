@@ -46,6 +46,14 @@ class FusedMoE(torch.nn.Module):
     The backends come from ``moe.oracle.plan`` (``layer.plan.explain()`` says why): ``experts=NAME``
     forces one (raising with its reasons if it cannot serve), ``policy`` replaces the environment's
     (``MOE_POLICY`` / ``MOE_EXPERTS`` / ``MOE_PROFILE``), ``platform`` the detected one.
+
+    ``torch.compile``: the forward is one custom op, ``moe::fused_moe`` (`moe.custom_op`), that reaches
+    the layer through an int handle, so ``torch.compile(layer)`` (``fullgraph=True`` too) and compiled
+    models that call the layer see ``[M, H] -> [M, H]`` and nothing of the weights, workspace or token
+    buckets; a compiled layer can be captured in a CUDA graph. For one graph across M = 0..max_tokens,
+    mark M before the first compiled call -- ``moe.custom_op.mark_tokens_dynamic(x)`` on the compiled
+    callable's inputs whose first dimension is M -- since dynamo otherwise specializes M = 0 and 1 and
+    compiles once more after the first M. The layer is for inference: a backward raises.
     """
 
     def __init__(
@@ -196,11 +204,7 @@ class FusedMoE(torch.nn.Module):
 
         The arguments are checked here (in eager mode, and at trace time under ``torch.compile``), then
         everything else -- the Router, M's bucket and its kernel, the workspace -- runs inside one custom
-        op, ``moe::fused_moe`` (`moe.custom_op`), which the compiler sees as opaque. A compiled caller
-        gets one graph for every M (no recompile across M = 1..max_tokens) when M is dynamic from the
-        start: ``torch._dynamo.mark_dynamic(x, 0)`` on the input whose first dimension is M (or
-        ``torch.compile(..., dynamic=True)`` and a first call with M >= 2), since dynamo specializes the
-        sizes 0 and 1.
+        op, ``moe::fused_moe`` (`moe.custom_op`), which the compiler sees as opaque.
         """
         if self.weights is None:
             raise MoEConfigError("FusedMoE has no weights; call load_weights or load_checkpoint first")
