@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe import FusedMoE  # noqa: E402
 from moe.custom_op import mark_tokens_dynamic  # noqa: E402
 from moe.presets import load_preset  # noqa: E402
+from moe.testing.cuda_checks import capture  # noqa: E402
 
 
 def build_layer(device: torch.device, scale: int, max_tokens: int, experts: str | None) -> FusedMoE:
@@ -70,19 +71,6 @@ def median_us(call: Callable[[], object], device: torch.device, calls: int, warm
     return statistics.median(samples)
 
 
-def captured(call: Callable[[], object]) -> Callable[[], object]:
-    """``call`` captured in a CUDA graph (warmed up on a side stream first); returns its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph.replay
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -107,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             mark_tokens_dynamic(x, logits)
         times = [median_us(call, device, args.calls, args.warmup)
                  for call in (lambda: layer(x, logits), lambda: compiled(x, logits))]
-        graph = (f"{median_us(captured(lambda: compiled(x, logits)), device, args.calls, args.warmup):>16.1f}"
+        replay = capture(lambda: compiled(x, logits))[0].replay if device.type == "cuda" else None
+        graph = (f"{median_us(replay, device, args.calls, args.warmup):>16.1f}"
                  if device.type == "cuda" else f"{'-':>16}")
         print(f"{tokens:>6}{times[0]:>12.1f}{times[1]:>12.1f}{graph}")
     graphs = counters["stats"]["unique_graphs"]

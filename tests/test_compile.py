@@ -21,7 +21,8 @@ from moe import FusedMoE, MoEConfigError, TopK, UnsupportedError
 from moe.custom_op import layer_of, mark_tokens_dynamic
 
 E, K, H, I, MAX_TOKENS = 4, 2, 64, 32, 64
-TOKEN_COUNTS = (1, 2, 3, 17, 64, MAX_TOKENS)  # 64 is max_tokens too: the largest bucket's edge
+TOKEN_COUNTS = (1, 2, 3, 17, 64, MAX_TOKENS)
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # 64 is max_tokens too: the largest bucket's edge
 
 
 def make_layer(**kwargs) -> FusedMoE:
@@ -40,14 +41,6 @@ class Block(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.experts(x, self.gate(x))
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def graphs_of(fn):

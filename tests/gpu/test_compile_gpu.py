@@ -6,26 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch._dynamo
 from torch._dynamo.utils import counters
 
 from moe import FusedMoE
 from moe.custom_op import mark_tokens_dynamic
 from moe.testing import assert_close_moe, cuda_checks
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]
 
 # Qwen3-30B-A3B's k and activation, smaller E, H and I so a test compiles and runs in seconds
 E, K, H, I, MAX_TOKENS = 32, 8, 1024, 384, 256
 PLANS = {"triton": "triton", "default": None}
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def make_layer(experts: str | None) -> FusedMoE:
