@@ -28,6 +28,7 @@ from moe.platform import Platform
 from moe.prepare_finalize.base import PrepareFinalize
 from moe.problem import MoEProblem
 from moe.router import Router, TopK
+from moe.shared import PendingShared, join, pending_tensor
 from moe.weights import ExpertWeights
 from moe.workspace import Workspace, WorkspaceLayout, WorkspaceManager
 
@@ -165,10 +166,11 @@ class ModularKernel:
         topk: TopK,
         *,
         validate: bool = True,
-        shared_output: torch.Tensor | None = None,
+        shared_output: torch.Tensor | PendingShared | None = None,
     ) -> torch.Tensor:
         """``hidden [M, H]`` routed by ``topk`` -> a new ``[M, H]`` tensor (+ ``shared_output [M, H]``,
-        the shared experts' result, added inside finalize), on the weights given to ``load``.
+        the shared experts' result, added inside finalize), on the weights given to ``load``. A
+        `moe.shared.PendingShared` (computed on a second stream) is joined right before finalize.
 
         ``validate`` also checks that every expert id is in range, which reads the ids on the host; pass
         False when the ids come from a Router (in range by construction) or inside a CUDA graph.
@@ -178,7 +180,7 @@ class ModularKernel:
         space = self._sections(hidden.shape[0])
         dispatched, route = self.prepare_finalize.prepare(hidden, topk, self.quantize_to, space[_PREPARE])
         output = self.experts.apply(dispatched, self._prepared, space[_EXPERTS])
-        return self.prepare_finalize.finalize(output, dispatched, route, topk, shared_output)
+        return self.prepare_finalize.finalize(output, dispatched, route, topk, join(shared_output))
 
     __call__ = forward
 
@@ -190,7 +192,7 @@ class ModularKernel:
 
     def forward_logits(
         self, hidden: torch.Tensor, router_logits: torch.Tensor, router: Router,
-        *, shared_output: torch.Tensor | None = None,
+        *, shared_output: torch.Tensor | PendingShared | None = None,
     ) -> torch.Tensor:
         """Like ``forward(hidden, router(router_logits))``, with the routing fused into the experts'
         kernel where ``routes_in_kernel(router)``; the Router runs here otherwise."""
@@ -204,10 +206,10 @@ class ModularKernel:
             )
         space = self._sections(hidden.shape[0])
         output = self.experts.apply_router_logits(hidden, router_logits, router, self._prepared, space[_EXPERTS])
-        return self.prepare_finalize.finalize_reduced(output.out, shared_output)
+        return self.prepare_finalize.finalize_reduced(output.out, join(shared_output))
 
-    def _check_hidden(self, hidden: torch.Tensor, shared_output: torch.Tensor | None) -> None:
-        check_hidden(self.problem, self.workspace.device, hidden, shared_output)
+    def _check_hidden(self, hidden: torch.Tensor, shared_output: torch.Tensor | PendingShared | None) -> None:
+        check_hidden(self.problem, self.workspace.device, hidden, pending_tensor(shared_output))
 
     def _check_topk(self, hidden: torch.Tensor, topk: TopK, validate: bool) -> None:
         check_topk(self.problem, hidden, topk, validate=validate)

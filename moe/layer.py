@@ -31,6 +31,8 @@ from moe.platform import Platform
 from moe.problem import MoEProblem, ParallelConfig
 from moe.registry import experts_classes, get_experts
 from moe.router import Router, TopK
+from moe.shared import PendingShared, SharedExperts, SharedExpertsConfig, SharedStream, shared_experts_for
+from moe.shared_loaders import shared_layout_for
 from moe.weights import ExpertWeights, check_dense_for
 
 
@@ -74,6 +76,7 @@ class FusedMoE(torch.nn.Module):
         experts: str | None = None,
         policy: Policy | None = None,
         platform: Platform | None = None,
+        shared_experts: SharedExperts | SharedExpertsConfig | None = None,
         **routing_options: Any,
     ):
         super().__init__()
@@ -97,7 +100,10 @@ class FusedMoE(torch.nn.Module):
         _check_instance("platform", platform, Platform, "e.g. Platform.preset('h100'), or None to detect it")
         _check_instance("policy", policy, Policy, "e.g. Policy(force=('triton',)), or None for the environment's")
         self.platform = Platform.detect(self.device) if platform is None else platform
-        self.plan: Plan = plan(self.problem, self.platform, _policy(policy, experts))
+        # the layer's own shared experts (moe/shared.py), on a second stream on CUDA
+        self.shared_experts = shared_experts_for(shared_experts, self.problem, self.device)
+        shared = None if self.shared_experts is None else self.shared_experts.config.problem(self.problem)
+        self.plan: Plan = plan(self.problem, self.platform, _policy(policy, experts), shared=shared)
         _warn_if_slow(self.plan)
         self.kernels: dict = build(self.plan, self.device)  # Pair -> ModularKernel
         # per call: the bucket's upper edges and, for each bucket, its kernel and whether it routes itself
@@ -105,6 +111,8 @@ class FusedMoE(torch.nn.Module):
         self._bucket_kernels = [self.kernels[b.chosen.pair] for b in self.plan.buckets]
         self._routes_in_kernel = [k.routes_in_kernel(self.router) for k in self._bucket_kernels]
         self.weights: ExpertWeights | None = None  # set once every kernel has loaded them
+        has_stream = self.shared_experts is not None and self.device.type == "cuda"
+        self._shared_stream = SharedStream(self.device) if has_stream else None
         self._handle = register(self)  # how moe::fused_moe finds this layer (moe.custom_op says why)
 
     def __setstate__(self, state: dict) -> None:
@@ -154,11 +162,20 @@ class FusedMoE(torch.nn.Module):
         weights = ExpertWeights.from_dense(w13, w2, b13, b2, quant=self.problem.quant, dtype=self.problem.dtype)
         self._install(weights)
 
-    def load_checkpoint(self, tensors: Mapping[str, torch.Tensor], layout: str, *, prefix: str = "") -> None:
-        """Expert tensors as a checkpoint stores them (see ``moe.loaders``), re-quantized if needed."""
+    def load_checkpoint(self, tensors: Mapping[str, torch.Tensor], layout: str, *, prefix: str = "",
+                        shared_layout: str | None = None) -> None:
+        """Expert tensors as a checkpoint stores them (see ``moe.loaders``), re-quantized if needed; with
+        shared experts, theirs too (``moe.shared_loaders``: ``shared_layout``, by default the one that goes
+        with ``layout``: deepseek -> deepseek, qwen3 -> qwen2_moe), under the same ``prefix``."""
         p = self.problem
+        if shared_layout is not None and self.shared_experts is None:
+            raise MoEConfigError(f"shared_layout={shared_layout!r} but this layer has no shared experts; build it "
+                                 "with shared_experts=SharedExpertsConfig(I) or leave shared_layout out")
+        shared = None if self.shared_experts is None else shared_layout_for(layout, shared_layout)
         weights = load_experts(tensors, layout, num_experts=p.num_experts, prefix=prefix,
                                hidden_size=p.hidden_size, intermediate_size=p.intermediate_size)
+        if self.shared_experts is not None:
+            self.shared_experts.load_checkpoint(tensors, shared, prefix=prefix)
         self._install(requantize(weights, self.problem.quant, dtype=self.problem.dtype))
 
     def _install(self, weights: ExpertWeights) -> None:
@@ -196,20 +213,30 @@ class FusedMoE(torch.nn.Module):
           ``topk_ids [M, k]`` (any integer dtype) with ``topk_weights [M, k]`` (any float dtype; the
           weights are used as given: no scaling factor is applied to them).
 
-        ``shared_output`` (a shared expert's result) is added in finalize. ``validate`` (precomputed
+        ``shared_output`` (a shared expert's result) is added in finalize; a layer built with
+        ``shared_experts`` computes it itself (`_shared_output`) and takes none. ``validate`` (precomputed
         routing only) checks that every id lies in ``[0, E)``, which reads the ids on the host: compiled
         or not, it runs when the op runs, except while a CUDA graph is being captured (a captured graph
         then replays without it); pass False where the ids are in range by construction (another
         router's output) to save the host read.
 
+        Where the output is combined, in one place: the Router multiplies the top-k weights by
+        ``routed_scaling_factor`` (precomputed weights are used as given); finalize then computes, in
+        float32, ``sum over k of weights[m, j] * expert_output[m, j] + shared_output[m]`` (the weighted
+        sum in ``moe.prepare_finalize.combine.sum_over_k``, or inside experts of reduced output; the
+        shared add in the same finalize) and casts once to the layer's dtype.
+
         The arguments are checked here (in eager mode, and at trace time under ``torch.compile``), then
-        everything else -- the Router, M's bucket and its kernel, the workspace -- runs inside one custom
-        op, ``moe::fused_moe`` (`moe.custom_op`), which the compiler sees as opaque.
+        everything else -- the shared experts, the Router, M's bucket and its kernel, the workspace --
+        runs inside one custom op, ``moe::fused_moe`` (`moe.custom_op`), which the compiler sees as opaque.
         """
         if self.weights is None:
             raise MoEConfigError("FusedMoE has no weights; call load_weights or load_checkpoint first")
         # the layer's own argument names and sizes; the kernel checks hidden again under its own name
         check_hidden(self.problem, self.device, hidden_states, shared_output, name="hidden_states", owner="layer")
+        if self.shared_experts is not None and shared_output is not None:
+            raise MoEConfigError("shared_output: this layer computes its own shared experts (built with "
+                                 "shared_experts=...); pass shared_output only to a layer built without them")
         given = _given_routing(router_logits, topk, topk_ids, topk_weights)
         if given is None:
             self._check_router_logits(router_logits, hidden_states)
@@ -230,11 +257,22 @@ class FusedMoE(torch.nn.Module):
         ``router_logits`` or by ``topk_ids`` int32 / ``topk_weights`` float32 (ids in range)."""
         bucket = self._bucket(hidden_states.shape[0])
         kernel = self._bucket_kernels[bucket]
+        shared_output = self._shared_output(hidden_states, shared_output)  # after every check: nothing queued yet
         if router_logits is None:
             return kernel.forward(hidden_states, TopK(topk_ids, topk_weights), validate=False, shared_output=shared_output)
         if self._routes_in_kernel[bucket]:  # e.g. trtllm-gen routes from the logits itself
             return kernel.forward_logits(hidden_states, router_logits, self.router, shared_output=shared_output)
         return kernel.forward(hidden_states, self.router(router_logits), validate=False, shared_output=shared_output)
+
+    def _shared_output(self, hidden_states: torch.Tensor,
+                       shared_output: torch.Tensor | None) -> torch.Tensor | PendingShared | None:
+        """``shared_output`` as given, or the layer's shared experts on ``hidden_states``: launched on the
+        second stream on CUDA (joined by the kernel right before finalize), computed here on a CPU."""
+        if self.shared_experts is None:
+            return shared_output
+        if self._shared_stream is None:
+            return self.shared_experts(hidden_states)
+        return self._shared_stream.launch(self.shared_experts, hidden_states)
 
     def _check_router_logits(self, router_logits: torch.Tensor, hidden_states: torch.Tensor) -> None:
         p, tokens = self.problem, hidden_states.shape[0]

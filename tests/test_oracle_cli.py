@@ -44,7 +44,8 @@ def test_json_is_exactly_one_object(capsys, backends):
     assert data["platform"] == "b200" and isinstance(data["workspace_bytes"], int) and data["workspace_bytes"] > 0
     assert [row["tokens"] for row in data["plan"]] == [[1, 1], [2, 64]]
     for row in data["plan"]:
-        assert set(row) == {"tokens", "experts", "prepare_finalize", "estimated_us", "slow_path"}
+        assert set(row) == {"tokens", "experts", "prepare_finalize", "estimated_us", "slow_path", "shared_us", "layer_us"}
+        assert row["layer_us"] > row["estimated_us"] and row["shared_us"] > 0  # deepseek-v3's shared expert
         assert row["slow_path"] is False
         assert row["experts"].startswith("flashinfer_") and row["prepare_finalize"] == "local"
     assert any("quant nvfp4" in r for r in data["rejected"]["torch_grouped"])

@@ -18,6 +18,11 @@ intermediate row, and writes its output row. ``python -m moe bench`` divides thi
 its measured times ("% of roofline"), so its fractions and the efficiencies the oracle derives from
 measured profile points are one quantity.
 
+Shared experts (a dense MLP beside the routed ones) are costed as a one-expert, top-1 problem, whose
+roofline is a dense MLP's, with the ``shared_experts`` profile entry. On a GPU they run on a second
+stream beside the routed part, so the layer takes ``max(routed, shared) + STREAM_FORK_JOIN_US``; on a
+CPU they run first, so it takes the sum.
+
 The GEMM precision is the activations' format (fp8 -> "fp8", nvfp4 -> "fp4") or, with unquantized
 activations (W4A16, bf16), the dtype. The prepare/finalize half costs its profile's overhead plus the
 bytes it moves: the batched format scatters and gathers every slot through memory, a prepare that
@@ -50,6 +55,10 @@ _F = QuantFormat
 _WEIGHT_BITS = {_F.FP8_TENSOR: 8.0, _F.FP8_ROW: 8.0, _F.FP8_BLOCK: 8.0, _F.MXFP8: 8.25, _F.MXFP4: 4.25, _F.NVFP4: 4.5}
 _ACTIVATION_PRECISION = {_F.FP8_TENSOR: "fp8", _F.FP8_ROW: "fp8", _F.FP8_BLOCK: "fp8", _F.MXFP8: "fp8", _F.NVFP4: "fp4"}
 _DTYPE_PRECISION = {2: "bf16", 4: "fp32"}
+SHARED_EXPERTS = "shared_experts"  # the profile's name for the shared MLP (three dense GEMMs)
+# The fork and join of the second stream: two event records and two stream waits, each about a
+# microsecond of host time, and the first shared GEMM's launch queued behind the fork.
+STREAM_FORK_JOIN_US = 4.0
 
 
 @dataclass(frozen=True)
@@ -191,3 +200,23 @@ def estimate_transport(name: str, pf_format: ActivationFormat, quantizes: bool, 
     """Estimated time of PrepareFinalize ``name`` when its prepare ``quantizes`` activations or not."""
     us = transport_us(pf_format, quantizes, problem, platform, tokens)
     return _estimate(name, us, problem, platform, tokens, profile)
+
+
+@dataclass(frozen=True)
+class SharedEstimate:
+    """The shared experts' time by itself (``alone``) and how it adds to the routed part's."""
+
+    alone: Estimate
+    overlapped: bool  # True on a GPU: a second stream beside the routed experts
+
+    def layer_us(self, routed_us: float) -> float:
+        """The layer's time when the routed part (prepare, experts, finalize) takes ``routed_us``."""
+        if self.overlapped:
+            return max(routed_us, self.alone.us) + STREAM_FORK_JOIN_US
+        return routed_us + self.alone.us
+
+
+def estimate_shared(shared: MoEProblem, platform: Platform, tokens: int, profile: Profile) -> SharedEstimate:
+    """Estimated time of the shared MLP ``shared`` (a one-expert, top-1 problem) for M=``tokens``."""
+    alone = _estimate(SHARED_EXPERTS, roofline(shared, platform, tokens).us, shared, platform, tokens, profile)
+    return SharedEstimate(alone, overlapped=platform.is_cuda)

@@ -1,6 +1,7 @@
 """``python -m moe plan``: what the oracle would run for a layer on a (possibly simulated) platform, and why.
 
     python -m moe plan --platform b200 --preset deepseek-v3 --quant nvfp4 --activation silu --explain
+    python -m moe plan --platform h100 --preset deepseek-v3-ep8-slice --shared-intermediate 2048
     python -m moe plan --platform h100 --experts 128 --top-k 4 --hidden 2880 --intermediate 2880 \\
         --quant mxfp4 --activation swiglu_oai --tokens 1 64 4096 --json
 
@@ -24,6 +25,7 @@ from moe.presets import preset_names
 from moe.problem import MoEProblem, ParallelConfig
 from moe.quant import QuantScheme
 from moe.quant.scheme import SCHEME_NAMES
+from moe.shared import SharedExpertsConfig
 
 QUANT_NAMES = SCHEME_NAMES  # the one list of scheme names (moe/quant/scheme.py), as the demo's
 DEFAULT_MAX_TOKENS = 8192
@@ -47,6 +49,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     shape.add_argument("--hidden", type=count, help="H, hidden size")
     shape.add_argument("--intermediate", type=count, help="I, intermediate size of one expert")
     shape.add_argument("--bias", action="store_true", help="experts have biases (not with --preset: it says)")
+    shape.add_argument("--shared-intermediate", type=int_at_least(0), metavar="N",
+                       help="I of the shared experts' dense MLP beside the routed ones, same activation "
+                            "(default: the preset's, e.g. 2048 for deepseek-v3; 0: none)")
     p.add_argument("--quant", choices=QUANT_NAMES, metavar="SCHEME",
                    help=f"one of {', '.join(QUANT_NAMES)} (default: the preset's checkpoint scheme, or bf16)")
     p.add_argument("--act-quant", choices=("mxfp8",), help="activation format for --quant mxfp4 (default bf16: W4A16)")
@@ -67,7 +72,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json and args.explain:
         raise MoEConfigError("--explain does not go with --json: the JSON holds the plan and every rejected "
                              "candidate's reasons; drop one of them")
-    result = plan(_problem(args), _platform(args), _policy(args), allow_empty=True)
+    problem = _problem(args)
+    result = plan(problem, _platform(args), _policy(args), allow_empty=True, shared=_shared(args, problem))
     print(_render(result, args))
     return 0 if result.buckets else 1
 
@@ -116,6 +122,16 @@ def _problem(args: argparse.Namespace) -> MoEProblem:
         activation=args.activation or sizes["activation"], quant=quant,
         max_tokens=args.max_tokens or largest or DEFAULT_MAX_TOKENS, parallel=ParallelConfig(ep_size=args.ep),
     )
+
+
+def _shared(args: argparse.Namespace, problem: MoEProblem) -> MoEProblem | None:
+    """The shared experts' dense MLP as the oracle costs it: --shared-intermediate, else the preset's."""
+    size = args.shared_intermediate
+    if size is None:
+        from moe.presets import load_preset
+
+        size = load_preset(args.preset).shared_intermediate_size if args.preset else 0
+    return SharedExpertsConfig(size).problem(problem) if size else None
 
 
 def _sizes(args: argparse.Namespace) -> dict:
