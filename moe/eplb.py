@@ -32,9 +32,9 @@ from moe.router import TopK
 class Placement:
     """Which logical expert each physical slot holds.
 
-    Example, E=4 logical experts, N=2 redundant, 2 ranks (S=3 slots each), expert 0 hot:
-    ``physical_to_logical=(0, 1, 0, 2, 3, 0)`` -- rank 0 holds experts 0, 1, 0 (slot 2 is a replica),
-    rank 1 holds 2, 3, 0; ``replicas()[0] == [0, 2, 5]``.
+    Example, E=4 logical experts, N=2 redundant, 2 ranks (S=3 slots each):
+    ``physical_to_logical=(0, 1, 2, 3, 0, 1)`` -- rank 0 holds experts 0, 1, 2, rank 1 holds 3 and
+    replicas of 0 and 1; ``replicas()[0] == [0, 4]``.
     """
 
     physical_to_logical: tuple[int, ...]  # P entries: the logical expert of slot p
@@ -79,16 +79,16 @@ class Placement:
     @classmethod
     def initial(cls, num_experts: int, num_redundant: int, ep_size: int) -> "Placement":
         """Before any load is known: rank r's first E/ep slots hold its contiguous block of experts, as
-        without EPLB; the N redundant slots replicate experts in order starting at E/ep (rank 1's block),
-        so no replica starts on its own rank while N <= E - E/ep. Needs E and N divisible by ep_size;
-        otherwise the balanced placement of equal loads."""
+        without EPLB, and its N/ep redundant slots replicate the first N/ep experts of the next rank's
+        block (never its own while N/ep <= E - E/ep). Needs E and N divisible by ep_size; otherwise the
+        balanced placement of equal loads."""
         if num_experts % ep_size or num_redundant % ep_size:
             return cls.balanced([1] * num_experts, num_redundant, ep_size)
         own, extra = num_experts // ep_size, num_redundant // ep_size
         slots = []
         for rank in range(ep_size):
             slots += range(rank * own, (rank + 1) * own)
-            slots += [(own + rank * extra + i) % num_experts for i in range(extra)]
+            slots += [((rank + 1) * own + i) % num_experts for i in range(extra)]
         return cls(tuple(slots), num_experts, ep_size)
 
     @classmethod
@@ -102,14 +102,17 @@ class Placement:
         2. pack: replicas, heaviest first (load / replicas), each to the least loaded rank that has a free
            slot and no replica of that expert yet (else any rank with a free slot), ties to the lower rank.
 
-        With ``previous``, each rank keeps the experts it already held in their old slots, so fewer
-        weights move. Deterministic: every rank computes the same placement from the same loads.
+        With ``previous``, so that fewer weights move: each packed set goes to the rank that already holds
+        most of it (the sets are interchangeable, their loads being what was balanced), and each rank keeps
+        the experts it held in their old slots. Deterministic: every rank computes the same placement.
         """
         counts = _replicate(loads, num_redundant, ep_size)
         bins = _pack(loads, counts, ep_size, (len(loads) + num_redundant) // ep_size)
+        if previous is None:
+            return cls(tuple(e for experts in bins for e in experts), len(loads), ep_size)
         slots: list[int] = []
-        for rank, experts in enumerate(bins):
-            slots += experts if previous is None else _keep_in_place(experts, previous.rank_slots(rank))
+        for rank, experts in enumerate(_match_ranks(bins, previous)):
+            slots += _keep_in_place(experts, previous.rank_slots(rank))
         return cls(tuple(slots), len(loads), ep_size)
 
 
@@ -141,6 +144,17 @@ def _pack(loads: Sequence[float], counts: list[int], ep_size: int, slots_per_ran
         bins[rank].append(expert)
         totals[rank] -= weight
     return bins
+
+
+def _match_ranks(bins: list[list[int]], previous: Placement) -> list[list[int]]:
+    """``bins`` reordered so that bin i goes to rank i: each bin in turn to the free rank sharing the most
+    experts with it in ``previous`` (ties: the lower rank)."""
+    free, matched = list(range(len(bins))), [[] for _ in bins]
+    for experts in bins:
+        rank = max(free, key=lambda r: (len(set(experts) & set(previous.rank_slots(r))), -r))
+        free.remove(rank)
+        matched[rank] = experts
+    return matched
 
 
 def _keep_in_place(experts: list[int], old: Sequence[int]) -> list[int]:
