@@ -134,15 +134,16 @@ def _replicate(loads: Sequence[float], num_redundant: int, ep_size: int) -> list
 
 def _pack(loads: Sequence[float], counts: list[int], ep_size: int, slots_per_rank: int) -> list[list[int]]:
     """Longest-processing-time packing of the replicas onto ranks of ``slots_per_rank`` slots each."""
-    items = sorted(((-loads[e] / counts[e], e) for e in range(len(loads)) for _ in range(counts[e])))
+    replicas = [(loads[e] / counts[e], e) for e in range(len(loads)) for _ in range(counts[e])]
+    replicas.sort(key=lambda item: (-item[0], item[1]))  # heaviest first, ties: the lower expert id
     bins: list[list[int]] = [[] for _ in range(ep_size)]
     totals = [0.0] * ep_size
-    for weight, expert in items:
+    for load, expert in replicas:
         free = [r for r in range(ep_size) if len(bins[r]) < slots_per_rank]
         spread = [r for r in free if expert not in bins[r]] or free
         rank = min(spread, key=lambda r: (totals[r], r))
         bins[rank].append(expert)
-        totals[rank] -= weight
+        totals[rank] += load
     return bins
 
 

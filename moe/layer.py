@@ -201,6 +201,10 @@ class FusedMoE(torch.nn.Module):
 
     def finish_rebalance(self, pending: PendingRebalance) -> Placement:
         """Swaps in ``pending``'s weights and placement (local: no collective)."""
+        if self.balancer is None or not isinstance(pending, PendingRebalance):
+            raise MoEConfigError(f"finish_rebalance takes what this layer's begin_rebalance returned (got "
+                                 f"{type(pending).__name__}; num_redundant_experts="
+                                 f"{self.problem.parallel.num_redundant_experts})")
         self._load_kernels(pending.weights)
         self.balancer.install(pending.placement)
         return pending.placement

@@ -215,6 +215,8 @@ def test_rebalance_needs_redundant_experts():
     layer = FusedMoE(8, 2, 64, 32, dtype=torch.float32, quant="fp32")
     with pytest.raises(MoEConfigError, match="num_redundant_experts=N > 0.*num_redundant_experts=0"):
         layer.rebalance()
+    with pytest.raises(MoEConfigError, match="takes what this layer's begin_rebalance returned \\(got Placement"):
+        layer.finish_rebalance(Placement.initial(8, 2, 2))
 
 
 # --- the oracle and moe plan -------------------------------------------------------------------
