@@ -8,6 +8,10 @@ sharing one workspace) -> load (``load_weights`` / ``load_checkpoint``: quantize
 
 A plan that uses two experts backends holds the weights prepared for each (twice the weight memory);
 force one backend (``experts=``, ``MOE_EXPERTS``, a policy) where that matters.
+
+With redundant experts (``ParallelConfig(num_redundant_experts=N)``, `moe.eplb`) the kernels serve the
+physical experts: forward counts the router's logical ids and maps them to replicas, and ``rebalance``
+(collective) moves the replicas to where the counted load is.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import torch
 
 from moe.build import build
 from moe.custom_op import fused_moe, register
+from moe.eplb import ExpertLoadBalancer, Placement
+from moe.eplb_transfer import PendingRebalance, begin_rebalance, gather_slots
 from moe.errors import MoEConfigError, SlowPathWarning
 from moe.kernel import ModularKernel, check_hidden, check_topk, sizes_differ
 from moe.loaders import load_experts, requantize
@@ -28,6 +34,7 @@ from moe.oracle import Plan, Policy, plan
 from moe.oracle.slow_path import slow_path
 from moe.sharding import shard_weights
 from moe.platform import Platform
+from moe.prepare_finalize._ep import process_group
 from moe.problem import MoEProblem, ParallelConfig
 from moe.registry import experts_classes, get_experts
 from moe.router import Router, TopK
@@ -95,6 +102,8 @@ class FusedMoE(torch.nn.Module):
             parallel=parallel or ParallelConfig(),
         )
         self.device = _device(device)
+        redundant = self.problem.parallel.num_redundant_experts
+        self.balancer = ExpertLoadBalancer(self.problem, self.device) if redundant else None
         _check_routing_options(routing_options)
         self.router = Router(routing, num_experts, top_k, **_on_device(routing_options, self.device))
         _check_instance("platform", platform, Platform, "e.g. Platform.preset('h100'), or None to detect it")
@@ -109,7 +118,8 @@ class FusedMoE(torch.nn.Module):
         # per call: the bucket's upper edges and, for each bucket, its kernel and whether it routes itself
         self._edges = [b.high for b in self.plan.buckets]
         self._bucket_kernels = [self.kernels[b.chosen.pair] for b in self.plan.buckets]
-        self._routes_in_kernel = [k.routes_in_kernel(self.router) for k in self._bucket_kernels]
+        # replicas are picked from the router's ids here, so no kernel may route by itself
+        self._routes_in_kernel = [k.routes_in_kernel(self.router) and not redundant for k in self._bucket_kernels]
         self.weights: ExpertWeights | None = None  # set once every kernel has loaded them
         has_stream = self.shared_experts is not None and self.device.type == "cuda"
         self._shared_stream = SharedStream(self.device) if has_stream else None
@@ -179,9 +189,23 @@ class FusedMoE(torch.nn.Module):
         self._install(requantize(weights, self.problem.quant, dtype=self.problem.dtype))
 
     def _install(self, weights: ExpertWeights) -> None:
-        if self.problem.parallel.enabled and weights.num_experts == self.problem.num_experts:
+        if self.balancer is not None:
+            weights = self._slot_weights(weights)
+        elif self.problem.parallel.enabled and weights.num_experts == self.problem.num_experts:
             weights = shard_weights(weights, self.problem)  # full checkpoint -> this rank's experts
-        weights = weights.to(self.device)
+        self._load_kernels(weights.to(self.device))
+
+    def _slot_weights(self, weights: ExpertWeights) -> ExpertWeights:
+        """This rank's physical slots, cut from the full logical weights by the current placement."""
+        if weights.num_experts != self.problem.num_experts:
+            raise MoEConfigError(
+                f"with num_redundant_experts={self.problem.parallel.num_redundant_experts} the layer loads the full "
+                f"weights of all E={self.problem.num_experts} logical experts (got {weights.num_experts}): its "
+                "placement picks the replicas each rank holds"
+            )
+        return gather_slots(weights, self.balancer.local_experts())
+
+    def _load_kernels(self, weights: ExpertWeights) -> None:
         weights.validate(self.problem)
         self.weights = None
         for kernel in self.kernels.values():  # the shared buffer at its final size before any kernel takes views
@@ -193,6 +217,30 @@ class FusedMoE(torch.nn.Module):
     def _buckets_of(self, kernel: ModularKernel) -> tuple[int, ...]:
         """Upper token edges of the plan's buckets this kernel serves (what warmup tunes for)."""
         return tuple(b.high for b, k in zip(self.plan.buckets, self._bucket_kernels) if k is kernel)
+
+    # --- redundant experts (EPLB) ----------------------------------------------------------------
+    def rebalance(self) -> Placement:
+        """Collective: `begin_rebalance` then `finish_rebalance`; returns the new placement."""
+        return self.finish_rebalance(self.begin_rebalance())
+
+    def begin_rebalance(self) -> PendingRebalance:
+        """Collective: the new placement from every rank's token counters, and this rank's weights under it,
+        built in new tensors; forwards keep the old placement until `finish_rebalance`."""
+        if self.balancer is None or self.weights is None:
+            raise MoEConfigError("rebalance needs a loaded layer built with ParallelConfig(num_redundant_experts=N > 0) "
+                                 f"(num_redundant_experts={self.problem.parallel.num_redundant_experts}, "
+                                 f"weights {'loaded' if self.weights is not None else 'not loaded'})")
+        return begin_rebalance(self.balancer, self.weights, process_group(self.problem.parallel, "rebalance"))
+
+    def finish_rebalance(self, pending: PendingRebalance) -> Placement:
+        """Swaps in ``pending``'s weights and placement (local: no collective)."""
+        if self.balancer is None or not isinstance(pending, PendingRebalance):
+            raise MoEConfigError(f"finish_rebalance takes what this layer's begin_rebalance returned (got "
+                                 f"{type(pending).__name__}; num_redundant_experts="
+                                 f"{self.problem.parallel.num_redundant_experts})")
+        self._load_kernels(pending.weights)
+        self.balancer.install(pending.placement)
+        return pending.placement
 
     # --- run -------------------------------------------------------------------------------------
     def forward(
@@ -258,11 +306,13 @@ class FusedMoE(torch.nn.Module):
         bucket = self._bucket(hidden_states.shape[0])
         kernel = self._bucket_kernels[bucket]
         shared_output = self._shared_output(hidden_states, shared_output)  # after every check: nothing queued yet
-        if router_logits is None:
-            return kernel.forward(hidden_states, TopK(topk_ids, topk_weights), validate=False, shared_output=shared_output)
-        if self._routes_in_kernel[bucket]:  # e.g. trtllm-gen routes from the logits itself
+        if router_logits is not None and self._routes_in_kernel[bucket]:  # e.g. trtllm-gen routes from the logits
             return kernel.forward_logits(hidden_states, router_logits, self.router, shared_output=shared_output)
-        return kernel.forward(hidden_states, self.router(router_logits), validate=False, shared_output=shared_output)
+        topk = self.router(router_logits) if router_logits is not None else TopK(topk_ids, topk_weights)
+        if self.balancer is not None:  # logical ids counted, then sent to physical replicas
+            self.balancer.record(topk.ids)
+            topk = self.balancer.to_physical(topk)
+        return kernel.forward(hidden_states, topk, validate=False, shared_output=shared_output)
 
     def _shared_output(self, hidden_states: torch.Tensor,
                        shared_output: torch.Tensor | None) -> torch.Tensor | PendingShared | None:

@@ -156,9 +156,12 @@ def plan(problem: MoEProblem, platform: Platform | None = None, policy: Policy |
     ``platform`` defaults to ``Platform.detect()``, ``policy`` to ``Policy.from_env()``; ``experts`` and
     ``prepare_finalize`` (name -> class) default to the registry. Raises UnsupportedError, with every
     reason, when a forced backend cannot serve, or when nothing can (unless ``allow_empty``).
+    With redundant experts the plan is for ``problem.physical()``: the cost model, the capacity and the
+    workspace count physical experts per rank.
     """
     # inputs: platform, policy, candidates, profiles
     _check_types(problem, platform, policy, shared)
+    problem = problem.physical()  # redundant experts (EPLB): the kernels serve E + N physical experts
     platform = Platform.detect() if platform is None else platform
     policy = Policy.from_env() if policy is None else policy
     classes = {EXPERTS: dict(experts_classes() if experts is None else experts),

@@ -57,6 +57,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--act-quant", choices=("mxfp8",), help="activation format for --quant mxfp4 (default bf16: W4A16)")
     p.add_argument("--activation", choices=ACTIVATION_NAMES, help="default: the preset's, or silu")
     p.add_argument("--ep", type=count, default=1, help="plan for rank 0 of N expert-parallel ranks")
+    p.add_argument("--redundant", type=int_at_least(0), default=0, metavar="N",
+                   help="N redundant experts (EPLB replicas) over the --ep ranks: the plan is for E + N physical experts")
     p.add_argument("--tokens", type=count, nargs="+", metavar="M", help="bucket edges (default 1 4 16 ... max tokens)")
     p.add_argument("--max-tokens", type=count,
                    help=f"largest M, >= every --tokens (default: the largest --tokens, or {DEFAULT_MAX_TOKENS})")
@@ -74,14 +76,30 @@ def run_plan(args: argparse.Namespace) -> int:
                              "candidate's reasons; drop one of them")
     problem = _problem(args)
     result = plan(problem, _platform(args), _policy(args), allow_empty=True, shared=_shared(args, problem))
-    print(_render(result, args))
+    print(_render(result, args, problem))
     return 0 if result.buckets else 1
 
 
-def _render(result: Plan, args: argparse.Namespace) -> str:
+def _render(result: Plan, args: argparse.Namespace, problem: MoEProblem) -> str:
+    eplb = _eplb_summary(problem)
     if args.json:
-        return json.dumps(result.to_json())
-    return result.explain() if args.explain else result.table()
+        return json.dumps(result.to_json() | ({"eplb": eplb} if eplb else {}))
+    text = result.explain() if args.explain else result.table()
+    if not eplb:
+        return text
+    return (f"eplb       E={eplb['logical_experts']} logical + {eplb['redundant_experts']} redundant = "
+            f"{eplb['physical_experts']} physical experts, {eplb['physical_per_rank']} per rank on {args.ep} ranks; "
+            "the plan, its capacity and workspace count physical experts\n" + text)
+
+
+def _eplb_summary(problem: MoEProblem) -> dict | None:
+    """The logical and physical expert counts of a problem with redundant experts; None without."""
+    n = problem.parallel.num_redundant_experts
+    if not n:
+        return None
+    return {"logical_experts": problem.num_experts, "redundant_experts": n,
+            "physical_experts": problem.parallel.num_physical_experts(problem.num_experts),
+            "physical_per_rank": problem.local_num_experts}
 
 
 def _platform(args: argparse.Namespace) -> Platform:
@@ -113,14 +131,14 @@ def _problem(args: argparse.Namespace) -> MoEProblem:
     if args.max_tokens is not None and largest is not None and args.max_tokens < largest:
         raise MoEConfigError(f"--max-tokens {args.max_tokens} is smaller than the largest --tokens {largest}; "
                              "raise it or drop that bucket edge")
-    if sizes["num_experts"] % args.ep:
+    if sizes["num_experts"] % args.ep and not args.redundant:
         raise MoEConfigError(f"--ep {args.ep} must divide the number of experts E={sizes['num_experts']} "
                              "(plan shards the experts evenly)")
     return MoEProblem.create(
         num_experts=sizes["num_experts"], top_k=sizes["top_k"], hidden_size=sizes["hidden_size"],
         intermediate_size=sizes["intermediate_size"], has_bias=sizes["has_bias"],
         activation=args.activation or sizes["activation"], quant=quant,
-        max_tokens=args.max_tokens or largest or DEFAULT_MAX_TOKENS, parallel=ParallelConfig(ep_size=args.ep),
+        max_tokens=args.max_tokens or largest or DEFAULT_MAX_TOKENS, parallel=ParallelConfig(ep_size=args.ep, num_redundant_experts=args.redundant),
     )
 
 
