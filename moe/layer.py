@@ -30,6 +30,7 @@ from moe.platform import Platform
 from moe.problem import MoEProblem, ParallelConfig
 from moe.registry import experts_classes, get_experts
 from moe.router import Router
+from moe.routing.layer_inputs import fold_zero_experts, weight_on_input
 from moe.weights import ExpertWeights, check_dense_for
 
 
@@ -84,6 +85,7 @@ class FusedMoE(torch.nn.Module):
         self.device = _device(device)
         _check_routing_options(routing_options)
         self.router = Router(routing, num_experts, top_k, **_on_device(routing_options, self.device))
+        _check_weight_on_input(self.router)
         _check_instance("platform", platform, Platform, "e.g. Platform.preset('h100'), or None to detect it")
         _check_instance("policy", policy, Policy, "e.g. Policy(force=('triton',)), or None for the environment's")
         self.platform = Platform.detect(self.device) if platform is None else platform
@@ -93,7 +95,10 @@ class FusedMoE(torch.nn.Module):
         # per call: the bucket's upper edges and, for each bucket, its kernel and whether it routes itself
         self._edges = [b.high for b in self.plan.buckets]
         self._bucket_kernels = [self.kernels[b.chosen.pair] for b in self.plan.buckets]
-        self._routes_in_kernel = [k.routes_in_kernel(self.router) for k in self._bucket_kernels]
+        # in-kernel routing knows no zero experts
+        self._routes_in_kernel = [
+            k.routes_in_kernel(self.router) and not self.router.num_zero_experts for k in self._bucket_kernels
+        ]
         self.weights: ExpertWeights | None = None  # set once every kernel has loaded them
 
     @property
@@ -163,9 +168,17 @@ class FusedMoE(torch.nn.Module):
 
     # --- run -------------------------------------------------------------------------------------
     def forward(
-        self, hidden_states: torch.Tensor, router_logits: torch.Tensor, shared_output: torch.Tensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        shared_output: torch.Tensor | None = None,
+        *,
+        input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``[M, H]``; ``shared_output`` (a shared expert's result, DeepSeek-style) is added in finalize."""
+        """``[M, H]``; ``shared_output`` (a shared expert's result, DeepSeek-style) is added in finalize.
+
+        ``router_logits`` is ``[M, E + num_zero_experts]``; ``input_ids [M]`` (the tokens' ids) is
+        required by hash routing (``deepseek_v4_hash``) and shape-checked, unread, by the others."""
         if self.weights is None:
             raise MoEConfigError("FusedMoE has no weights; call load_weights or load_checkpoint first")
         # the layer's own argument names and sizes; the kernel checks hidden again under its own name
@@ -175,14 +188,20 @@ class FusedMoE(torch.nn.Module):
         kernel = self._bucket_kernels[bucket]
         if self._routes_in_kernel[bucket]:  # e.g. trtllm-gen routes from the logits itself
             return kernel.forward_logits(hidden_states, router_logits, self.router, shared_output=shared_output)
-        return kernel.forward(hidden_states, self.router(router_logits), validate=False, shared_output=shared_output)
+        topk = self.router(router_logits, input_ids)
+        if self.router.num_zero_experts:
+            topk, shared_output = fold_zero_experts(topk, hidden_states, self.problem.num_experts, shared_output)
+        if self.router.kind.weight_on_input:
+            topk, hidden_states = weight_on_input(topk, hidden_states)
+        return kernel.forward(hidden_states, topk, validate=False, shared_output=shared_output)
 
     def _check_router_logits(self, router_logits: torch.Tensor, hidden_states: torch.Tensor) -> None:
-        p, tokens = self.problem, hidden_states.shape[0]
-        want = f"[M, num_experts] = [{tokens}, {p.num_experts}] (M = hidden_states.shape[0])"
+        p, tokens, width = self.problem, hidden_states.shape[0], self.router.num_choices
+        zero = " + num_zero_experts" if self.router.num_zero_experts else ""
+        want = f"[M, num_experts{zero}] = [{tokens}, {width}] (M = hidden_states.shape[0])"
         if not isinstance(router_logits, torch.Tensor):
             raise MoEConfigError(f"router_logits must be a torch.Tensor {want} (got {type(router_logits).__name__})")
-        if tuple(router_logits.shape) != (tokens, p.num_experts):
+        if tuple(router_logits.shape) != (tokens, width):
             raise MoEConfigError(
                 f"router_logits must be {want} (got shape {list(router_logits.shape)}); the layer was built for {p.sizes}"
             )
@@ -223,6 +242,15 @@ def _check_routing_options(options: dict) -> None:
         raise MoEConfigError(
             f"FusedMoE got unknown keyword argument(s) {unknown}; besides its named arguments it takes the "
             f"routing options {', '.join(_ROUTING_OPTIONS)}"
+        )
+
+
+def _check_weight_on_input(router: Router) -> None:
+    if router.kind.weight_on_input and router.top_k != 1:
+        raise MoEConfigError(
+            f"routing={router.routing!r} multiplies each expert's input by its router weight (Llama-4), which "
+            f"this layer supports for top_k=1 only (got top_k={router.top_k}); each of k > 1 slots would need "
+            "its own scaled input"
         )
 
 
