@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moe.experts._triton import cdiv, next_power_of_2
 from moe.routing import SCORE_NAMES
 from moe.routing.topk import TopK
 
@@ -49,7 +48,9 @@ def fused_route(router_logits: torch.Tensor, router: Router) -> TopK:
     """``router``'s routing of ``router_logits [M, E + Z]`` (validated by the caller) in one launch."""
     if not fused_supports(router):
         raise AssertionError(f"fused_route called for a routing it does not support: {router!r}")
-    from moe.routing import _fused  # noqa: PLC0415 (Triton at the first launch, not with moe)
+    import triton  # noqa: PLC0415 (Triton at the first launch, not with moe)
+
+    from moe.routing import _fused  # noqa: PLC0415
 
     kind = router.kind
     num_tokens, width = router_logits.shape
@@ -59,11 +60,11 @@ def fused_route(router_logits: torch.Tensor, router: Router) -> TopK:
     weights = torch.empty(num_tokens, router.top_k, dtype=torch.float32, device=device)
     if num_tokens == 0:
         return TopK(ids, weights)
-    block_e = next_power_of_2(width)
+    block_e = triton.next_power_of_2(width)
     block_m = max(1, min(16, _TILE_ELEMENTS // block_e))
     n_group = router.n_group or 1
     bias = router.correction_bias
-    _fused.route_kernel[(cdiv(num_tokens, block_m),)](
+    _fused.route_kernel[(triton.cdiv(num_tokens, block_m),)](
         logits, logits.stride(0), logits if bias is None else bias.to(device), ids, weights,
         num_tokens, width, float(router.routed_scaling_factor),
         K=router.top_k,
@@ -76,7 +77,7 @@ def fused_route(router_logits: torch.Tensor, router: Router) -> TopK:
         RENORMALIZE=bool(router.renormalize) and not kind.always_normalized,
         BLOCK_M=block_m,
         BLOCK_E=block_e,
-        BLOCK_G=next_power_of_2(n_group),
-        BLOCK_K=next_power_of_2(router.top_k),
+        BLOCK_G=triton.next_power_of_2(n_group),
+        BLOCK_K=triton.next_power_of_2(router.top_k),
     )
     return TopK(ids, weights)
