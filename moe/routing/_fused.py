@@ -8,16 +8,7 @@ weights' normalization and scale, stored once.
 import triton
 import triton.language as tl
 
-from moe.experts._triton._lang import max_, sum_
-
-@triton.jit
-def _smaller(a, b):
-    return tl.minimum(a, b)
-
-
-@triton.jit
-def _min(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _smaller)
+from moe.experts._triton._lang import max_, min_, sum_
 
 
 @triton.jit
@@ -47,7 +38,7 @@ def _best(values, available, cols, BLOCK_E: tl.constexpr):
     """Per row: the largest available value and its lowest column among equals ([BLOCK_M] each)."""
     masked = tl.where(available, values, -float("inf"))
     top = max_(masked, 1)
-    index = _min(tl.where(available & (masked == top[:, None]), cols[None, :], BLOCK_E), 1)
+    index = min_(tl.where(available & (masked == top[:, None]), cols[None, :], BLOCK_E), 1)
     return top, index
 
 

@@ -24,7 +24,7 @@ class TopK:
     (row 1: experts 0, 1 and 3 tie at 0.0, so the lower id, 0, takes the second slot).
     """
 
-    ids: torch.Tensor  # int32 [M, k]: global expert ids in [0, E)
+    ids: torch.Tensor  # int32 [M, k]: global expert ids in [0, E) (E..E+Z-1: zero experts, folded by FusedMoE)
     weights: torch.Tensor  # float32 [M, k]: router weight of each chosen expert
 
     def __post_init__(self):
