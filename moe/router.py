@@ -45,6 +45,7 @@ from moe.routing.checks import (
     check_renormalize,
     check_top_k,
 )
+from moe.routing.fused import fused_pays, fused_route  # Triton loads at the first launch only
 from moe.routing.reference import route_reference
 from moe.routing.topk import TopK
 
@@ -141,8 +142,6 @@ class Router:
         ``input_ids [M]`` (integer token ids) is required by ``deepseek_v4_hash``; other kinds check
         its shape when given (a model may pass the ids to every layer) and do not read it."""
         self.check_inputs(router_logits, input_ids)
-        from moe.routing.fused import fused_pays, fused_route  # noqa: PLC0415 (its Triton loads lazily)
-
         if fused_pays(self, router_logits):
             return fused_route(router_logits, self)
         return route_reference(router_logits, self, input_ids)
