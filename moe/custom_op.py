@@ -64,6 +64,7 @@ def fused_moe(
     topk_ids: Optional[torch.Tensor],
     topk_weights: Optional[torch.Tensor],
     shared_output: Optional[torch.Tensor],
+    input_ids: Optional[torch.Tensor],
     layer: int,
     validate: bool,
     ids_name: str,
@@ -71,18 +72,20 @@ def fused_moe(
     """The forward of the `FusedMoE` registered under ``layer``: ``[M, H]``, a new tensor.
 
     Routing is ``router_logits [M, E]`` (the layer's router), or ``topk_ids [M, k]`` int32 with
-    ``topk_weights [M, k]`` float32, exactly one of the two; the arguments were checked by the layer.
+    ``topk_weights [M, k]`` float32, exactly one of the two (``input_ids [M]``: the token ids hash routing
+    reads, or None); the arguments were checked by the layer.
     ``validate`` checks the ids lie in ``[0, E)`` (a host read; skipped while a CUDA graph is being
     captured), naming them ``ids_name`` in the error.
     """
     owner = layer_of(layer)
     if validate and topk_ids is not None and not _capturing(topk_ids):
         check_ids_in_range(owner.problem, topk_ids, ids_name)
-    return owner.run(hidden_states, router_logits, topk_ids, topk_weights, shared_output)
+    return owner.run(hidden_states, router_logits, topk_ids, topk_weights, shared_output, input_ids)
 
 
 @fused_moe.register_fake
-def _fused_moe_fake(hidden_states, router_logits, topk_ids, topk_weights, shared_output, layer, validate, ids_name):
+def _fused_moe_fake(hidden_states, router_logits, topk_ids, topk_weights, shared_output, input_ids, layer, validate,
+                    ids_name):
     # the output's shape, dtype and device are the input's: nothing else is visible to the compiler
     return hidden_states.new_empty(hidden_states.shape)
 
@@ -104,7 +107,8 @@ def _no_backward_fake(grad, shape):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    ctx.shapes = [None if t is None else t.shape for t in inputs[:5]]  # the five tensor arguments
+    # the six tensor arguments; integer ones (ids) take no gradient
+    ctx.shapes = [None if t is None or not t.is_floating_point() else t.shape for t in inputs[:6]]
 
 
 def _backward(ctx, grad):

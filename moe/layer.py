@@ -38,7 +38,8 @@ from moe.prepare_finalize._ep import process_group
 from moe.problem import MoEProblem, ParallelConfig
 from moe.registry import experts_classes, get_experts
 from moe.router import Router, TopK
-from moe.shared import PendingShared, SharedExperts, SharedExpertsConfig, SharedStream, shared_experts_for
+from moe.routing.layer_inputs import fold_zero_experts, weight_on_input
+from moe.shared import PendingShared, SharedExperts, SharedExpertsConfig, SharedStream, join, shared_experts_for
 from moe.shared_loaders import shared_layout_for
 from moe.weights import ExpertWeights, check_dense_for
 
@@ -106,6 +107,7 @@ class FusedMoE(torch.nn.Module):
         self.balancer = ExpertLoadBalancer(self.problem, self.device) if redundant else None
         _check_routing_options(routing_options)
         self.router = Router(routing, num_experts, top_k, **_on_device(routing_options, self.device))
+        _check_weight_on_input(self.router)
         _check_instance("platform", platform, Platform, "e.g. Platform.preset('h100'), or None to detect it")
         _check_instance("policy", policy, Policy, "e.g. Policy(force=('triton',)), or None for the environment's")
         self.platform = Platform.detect(self.device) if platform is None else platform
@@ -118,8 +120,9 @@ class FusedMoE(torch.nn.Module):
         # per call: the bucket's upper edges and, for each bucket, its kernel and whether it routes itself
         self._edges = [b.high for b in self.plan.buckets]
         self._bucket_kernels = [self.kernels[b.chosen.pair] for b in self.plan.buckets]
-        # replicas are picked from the router's ids here, so no kernel may route by itself
-        self._routes_in_kernel = [k.routes_in_kernel(self.router) and not redundant for k in self._bucket_kernels]
+        # replicas are picked from the router's ids here, and in-kernel routing knows no zero experts
+        routes_here = redundant or self.router.num_zero_experts
+        self._routes_in_kernel = [k.routes_in_kernel(self.router) and not routes_here for k in self._bucket_kernels]
         self.weights: ExpertWeights | None = None  # set once every kernel has loaded them
         has_stream = self.shared_experts is not None and self.device.type == "cuda"
         self._shared_stream = SharedStream(self.device) if has_stream else None
@@ -253,13 +256,16 @@ class FusedMoE(torch.nn.Module):
         topk_ids: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
         validate: bool = True,
+        input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[M, H]``, routed one of two ways:
 
-        - ``router_logits [M, E]``: the layer's own `Router` picks the experts;
+        - ``router_logits [M, E + num_zero_experts]``: the layer's own `Router` picks the experts
+          (``input_ids [M]``, the tokens' ids, are required by hash routing, ``deepseek_v4_hash``);
         - precomputed routing, for model code that routes itself: ``topk=TopK(...)``, or
           ``topk_ids [M, k]`` (any integer dtype) with ``topk_weights [M, k]`` (any float dtype; the
-          weights are used as given: no scaling factor is applied to them).
+          weights are used as given: no scaling factor is applied to them; a ``llama4`` layer applies
+          them to the experts' input, as its router's would be).
 
         ``shared_output`` (a shared expert's result) is added in finalize; a layer built with
         ``shared_experts`` computes it itself (`_shared_output`) and takes none. ``validate`` (precomputed
@@ -288,10 +294,10 @@ class FusedMoE(torch.nn.Module):
         given = _given_routing(router_logits, topk, topk_ids, topk_weights)
         if given is None:
             self._check_router_logits(router_logits, hidden_states)
-            return fused_moe(hidden_states, router_logits, None, None, shared_output, self._handle, False, "")
+            return fused_moe(hidden_states, router_logits, None, None, shared_output, input_ids, self._handle, False, "")
         name = "topk.ids" if topk is not None else "topk_ids"
         check_topk(self.problem, hidden_states, given, validate=False, name=name)  # the range: inside the op
-        return fused_moe(hidden_states, None, given.ids, given.weights, shared_output, self._handle, validate, name)
+        return fused_moe(hidden_states, None, given.ids, given.weights, shared_output, None, self._handle, validate, name)
 
     def run(
         self,
@@ -300,15 +306,22 @@ class FusedMoE(torch.nn.Module):
         topk_ids: torch.Tensor | None,
         topk_weights: torch.Tensor | None,
         shared_output: torch.Tensor | None,
+        input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The body of ``moe::fused_moe``, on arguments ``forward`` checked: M's bucket's kernel, routed by
-        ``router_logits`` or by ``topk_ids`` int32 / ``topk_weights`` float32 (ids in range)."""
+        ``router_logits`` (and ``input_ids`` for hash routing) or by ``topk_ids`` int32 / ``topk_weights``
+        float32 (ids in range). Zero experts' ``weight * hidden`` joins the shared output (waiting for
+        shared experts computed on the second stream, when a layer has both)."""
         bucket = self._bucket(hidden_states.shape[0])
         kernel = self._bucket_kernels[bucket]
         shared_output = self._shared_output(hidden_states, shared_output)  # after every check: nothing queued yet
         if router_logits is not None and self._routes_in_kernel[bucket]:  # e.g. trtllm-gen routes from the logits
             return kernel.forward_logits(hidden_states, router_logits, self.router, shared_output=shared_output)
-        topk = self.router(router_logits) if router_logits is not None else TopK(topk_ids, topk_weights)
+        topk = self.router(router_logits, input_ids) if router_logits is not None else TopK(topk_ids, topk_weights)
+        if self.router.num_zero_experts:
+            topk, shared_output = fold_zero_experts(topk, hidden_states, self.problem.num_experts, join(shared_output))
+        if self.router.kind.weight_on_input:
+            topk, hidden_states = weight_on_input(topk, hidden_states)
         if self.balancer is not None:  # logical ids counted, then sent to physical replicas
             self.balancer.record(topk.ids)
             topk = self.balancer.to_physical(topk)
@@ -325,13 +338,15 @@ class FusedMoE(torch.nn.Module):
         return self._shared_stream.launch(self.shared_experts, hidden_states)
 
     def _check_router_logits(self, router_logits: torch.Tensor, hidden_states: torch.Tensor) -> None:
-        p, tokens = self.problem, hidden_states.shape[0]
+        p, tokens, width = self.problem, hidden_states.shape[0], self.router.num_choices
+        zero = " + num_zero_experts" if self.router.num_zero_experts else ""
+
         # a function, not a string: formatting M would specialize it under torch.compile
         def want() -> str:
-            return f"[M, num_experts] = [{tokens}, {p.num_experts}] (M = hidden_states.shape[0])"
+            return f"[M, num_experts{zero}] = [{tokens}, {width}] (M = hidden_states.shape[0])"
         if not isinstance(router_logits, torch.Tensor):
             raise MoEConfigError(f"router_logits must be a torch.Tensor {want()} (got {type(router_logits).__name__})")
-        if sizes_differ(router_logits.shape, (tokens, p.num_experts)):
+        if sizes_differ(router_logits.shape, (tokens, width)):
             raise MoEConfigError(
                 f"router_logits must be {want()} (got shape {list(router_logits.shape)}); the layer was built for {p.sizes}"
             )
@@ -400,6 +415,15 @@ def _check_routing_options(options: dict) -> None:
         raise MoEConfigError(
             f"FusedMoE got unknown keyword argument(s) {unknown}; besides its named arguments it takes the "
             f"routing options {', '.join(_ROUTING_OPTIONS)}"
+        )
+
+
+def _check_weight_on_input(router: Router) -> None:
+    if router.kind.weight_on_input and router.top_k != 1:
+        raise MoEConfigError(
+            f"routing={router.routing!r} multiplies each expert's input by its router weight (Llama-4), which "
+            f"this layer supports for top_k=1 only (got top_k={router.top_k}); each of k > 1 slots would need "
+            "its own scaled input"
         )
 
 

@@ -198,16 +198,18 @@ def test_id_check_is_skipped_while_a_cuda_graph_is_captured(monkeypatch):
     assert seen == ["topk_ids"]
 
 
-@pytest.mark.parametrize("form", ["logits", "topk_ids", "shared_output"])
+@pytest.mark.parametrize("form", ["logits", "topk_ids", "shared_output", "input_ids"])
 def test_opcheck(form):
     layer = make_layer()
     x, logits = torch.randn(5, H), torch.randn(5, E)
     topk = layer.router(logits)
     shared = x * 0.5 if form == "shared_output" else None
     if form == "topk_ids":
-        args = (x, None, topk.ids, topk.weights, None, layer._handle, True, "topk_ids")
+        args = (x, None, topk.ids, topk.weights, None, None, layer._handle, True, "topk_ids")
+    elif form == "input_ids":  # the token ids hash routing reads travel as an op argument too
+        args = (x, logits, None, None, None, torch.arange(5), layer._handle, False, "")
     else:
-        args = (x, logits, None, None, shared, layer._handle, False, "")
+        args = (x, logits, None, None, shared, None, layer._handle, False, "")
     torch.library.opcheck(torch.ops.moe.fused_moe.default, args)
 
 
