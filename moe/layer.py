@@ -31,6 +31,7 @@ from moe.problem import MoEProblem, ParallelConfig
 from moe.registry import experts_classes, get_experts
 from moe.router import Router, TopK
 from moe.weights import ExpertWeights, check_dense_for
+from moe.workspace import WorkspaceManager
 
 
 class FusedMoE(torch.nn.Module):
@@ -44,7 +45,9 @@ class FusedMoE(torch.nn.Module):
 
     The backends come from ``moe.oracle.plan`` (``layer.plan.explain()`` says why): ``experts=NAME``
     forces one (raising with its reasons if it cannot serve), ``policy`` replaces the environment's
-    (``MOE_POLICY`` / ``MOE_EXPERTS`` / ``MOE_PROFILE``), ``platform`` the detected one.
+    (``MOE_POLICY`` / ``MOE_EXPERTS`` / ``MOE_PROFILE``), ``platform`` the detected one. ``workspace``, a
+    `WorkspaceManager` on the layer's device, is shared with other layers that never run at once (the
+    layers of one model): one buffer, as large as the largest of them needs.
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class FusedMoE(torch.nn.Module):
         experts: str | None = None,
         policy: Policy | None = None,
         platform: Platform | None = None,
+        workspace: WorkspaceManager | None = None,
         **routing_options: Any,
     ):
         super().__init__()
@@ -90,7 +94,9 @@ class FusedMoE(torch.nn.Module):
         self.platform = Platform.detect(self.device) if platform is None else platform
         self.plan: Plan = plan(self.problem, self.platform, _policy(policy, experts))
         _warn_if_slow(self.plan)
-        self.kernels: dict = build(self.plan, self.device)  # Pair -> ModularKernel
+        _check_instance("workspace", workspace, WorkspaceManager, "e.g. one WorkspaceManager(device) shared by layers "
+                        "that never run at once, or None for the layer's own")
+        self.kernels: dict = build(self.plan, self.device, workspace)  # Pair -> ModularKernel
         # per call: the bucket's upper edges and, for each bucket, its kernel and whether it routes itself
         self._edges = [b.high for b in self.plan.buckets]
         self._bucket_kernels = [self.kernels[b.chosen.pair] for b in self.plan.buckets]
