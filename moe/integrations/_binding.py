@@ -6,7 +6,8 @@ Lifecycle: read the module (a `ModuleSpec`, or the reason it cannot be served) -
 and device -> load. Weights are prepared once and again only when the module's parameters change: a
 cheap signature (each parameter's identity, ``data_ptr``, ``_version``, dtype, device and shape, plus
 top-k) is compared on every forward. In-place writes through ``param.data`` bypass the version counter
-and are not seen; assign a new ``nn.Parameter`` or write under ``torch.no_grad()`` instead.
+and are not seen; assign a new ``nn.Parameter`` or write under ``torch.no_grad()`` instead. A write into a
+released parameter (below) raises `MoEConfigError`: its values live in the layer.
 
 Memory: where the module stores the canonical layout (``transformers_fused``) and the backend keeps it
 (torch_grouped, triton, fp32 reference), the layer uses the module's tensors in place. Where the module's
@@ -14,8 +15,8 @@ layout differs (``transformers_fused_transposed``, GPT-OSS), the layer holds a c
 module's parameters are released: replaced by ``meta`` placeholders of the same shape and dtype.
 ``state_dict`` (so ``save_pretrained``) writes them back from the layer's weights, ``load_state_dict``
 restores real parameters before loading (the next forward prepares again), and replacing a parameter
-restores the others. Moving or casting a released module (``model.to``) is not possible: do it before
-binding. Where the chosen backend converts the weights itself (FlashInfer), the module keeps its
+restores the others. A released module cannot run on another implementation, nor be moved or cast
+(``model.to``): ``unuse_moe(model)`` gives the parameters back first. Where the chosen backend converts the weights itself (FlashInfer), the module keeps its
 parameters and the weights are held twice.
 """
 
@@ -81,6 +82,7 @@ class Binding:
         self.reason: str | None = None  # why the module falls back, when it does
         self._signature: tuple | None = None
         self._placeholders: dict[str, torch.nn.Parameter] = {}  # released parameters -> their meta stand-ins
+        self._versions: dict[str, int] = {}  # the placeholders' versions at release (a write bumps them)
         self._hooks: list = []
 
     # --- prepare ---------------------------------------------------------------------------------
@@ -145,6 +147,7 @@ class Binding:
             placeholder = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
                                              requires_grad=param.requires_grad)
             module._parameters[name] = self._placeholders[name] = placeholder
+            self._versions[name] = placeholder._version
         if not self._hooks:
             # partials: torch marks a state_dict hook with an attribute, which a bound method cannot take
             self._hooks = [module.register_state_dict_post_hook(functools.partial(Binding._write_state, self)),
@@ -153,7 +156,7 @@ class Binding:
     def detach(self, module: torch.nn.Module) -> None:
         """Gives the module its released parameters back and removes this binding's hooks."""
         with torch.inference_mode(False), torch.no_grad():
-            self._restore(module)
+            self._restore(module, check=False)
         for hook in self._hooks:
             hook.remove()
         self._hooks, self.layer, self._signature = [], None, None
@@ -163,9 +166,16 @@ class Binding:
         tensors = to_layout(self.layer.weights, self.spec.layout, dtype=self.layer.problem.dtype)
         return {name: tensors["experts." + name].to(p.dtype) for name, p in self._placeholders.items()}
 
-    def _restore(self, module: torch.nn.Module) -> None:
-        """Real parameters again for every placeholder still in place (one the user replaced stays theirs)."""
+    def _restore(self, module: torch.nn.Module, *, check: bool = True) -> None:
+        """Real parameters again for every placeholder still in place (one the user replaced stays theirs);
+        ``check`` refuses placeholders written into (the write went nowhere)."""
         released = {n: p for n, p in self._placeholders.items() if module._parameters.get(n) is p}
+        written = [n for n, p in released.items() if check and p._version != self._versions[n]]
+        if written:
+            raise MoEConfigError(
+                f"{self.name}: {written} were written in place, but moe released them (their values live in the "
+                "layer, converted); assign a new nn.Parameter, load_state_dict, or call unuse_moe(model) first"
+            )
         if released:
             values = self._originals()
             for name, placeholder in released.items():

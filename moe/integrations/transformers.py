@@ -39,7 +39,7 @@ from moe.integrations._binding import Binding, ExpertsFallbackWarning, ModuleSpe
 from moe.oracle import Policy
 from moe.weights import DENSE_DTYPES
 
-__all__ = ["IMPLEMENTATION", "ExpertsFallbackWarning", "moe_experts_forward", "use_moe", "memory_bytes"]
+__all__ = ["IMPLEMENTATION", "ExpertsFallbackWarning", "memory_bytes", "moe_experts_forward", "unuse_moe", "use_moe"]
 
 IMPLEMENTATION = "moe"
 _BINDING = "_moe_binding"  # the attribute of an experts module that holds its Binding
@@ -91,6 +91,16 @@ def use_moe(model: torch.nn.Module, *, max_tokens: int = 1024, experts: str | No
         layer = binding.current(module, top_k)
         report[name] = f"fallback: {binding.reason}" if layer is None else repr(layer.kernel)
     return report
+
+
+def unuse_moe(model: torch.nn.Module, implementation: str = "grouped_mm") -> None:
+    """Switches ``model`` to another experts implementation, giving every released parameter back first
+    (a module whose parameters moe released cannot run on another implementation until then)."""
+    for module in model.modules():
+        binding = module.__dict__.pop(_BINDING, None)
+        if binding is not None:
+            binding.detach(module)
+    model.set_experts_implementation(implementation)
 
 
 def memory_bytes(model: torch.nn.Module) -> dict[str, int]:
