@@ -20,8 +20,9 @@ from typing import Any, Mapping
 import torch
 
 from moe.build import build
+from moe.custom_op import fused_moe, register
 from moe.errors import MoEConfigError, SlowPathWarning
-from moe.kernel import ModularKernel, check_hidden, check_topk
+from moe.kernel import ModularKernel, check_hidden, check_topk, sizes_differ
 from moe.loaders import load_experts, requantize
 from moe.oracle import Plan, Policy, plan
 from moe.oracle.slow_path import slow_path
@@ -48,6 +49,14 @@ class FusedMoE(torch.nn.Module):
     (``MOE_POLICY`` / ``MOE_EXPERTS`` / ``MOE_PROFILE``), ``platform`` the detected one. ``workspace``, a
     `WorkspaceManager` on the layer's device, is shared with other layers that never run at once (the
     layers of one model): one buffer, as large as the largest of them needs.
+
+    ``torch.compile``: the forward is one custom op, ``moe::fused_moe`` (`moe.custom_op`), that reaches
+    the layer through an int handle, so ``torch.compile(layer)`` (``fullgraph=True`` too) and compiled
+    models that call the layer see ``[M, H] -> [M, H]`` and nothing of the weights, workspace or token
+    buckets; a compiled layer can be captured in a CUDA graph. For one graph across M = 0..max_tokens,
+    mark M before the first compiled call -- ``moe.custom_op.mark_tokens_dynamic(x)`` on the compiled
+    callable's inputs whose first dimension is M -- since dynamo otherwise specializes M = 0 and 1 and
+    compiles once more after the first M. The layer is for inference: a backward raises.
     """
 
     def __init__(
@@ -102,6 +111,12 @@ class FusedMoE(torch.nn.Module):
         self._bucket_kernels = [self.kernels[b.chosen.pair] for b in self.plan.buckets]
         self._routes_in_kernel = [k.routes_in_kernel(self.router) for k in self._bucket_kernels]
         self.weights: ExpertWeights | None = None  # set once every kernel has loaded them
+        self._handle = register(self)  # how moe::fused_moe finds this layer (moe.custom_op says why)
+
+    def __setstate__(self, state: dict) -> None:
+        # a copy (copy.deepcopy, pickle) is a layer of its own: it must not answer to the original's handle
+        super().__setstate__(state)
+        self._handle = register(self)
 
     @property
     def kernel(self) -> ModularKernel:
@@ -187,34 +202,56 @@ class FusedMoE(torch.nn.Module):
           ``topk_ids [M, k]`` (any integer dtype) with ``topk_weights [M, k]`` (any float dtype; the
           weights are used as given: no scaling factor is applied to them).
 
-        ``validate`` (precomputed routing only) checks that every id lies in ``[0, E)``, which reads the
-        ids on the host; pass False where they are in range by construction (another router's output)
-        or inside a CUDA graph. ``shared_output`` (a shared expert's result) is added in finalize.
+        ``shared_output`` (a shared expert's result) is added in finalize. ``validate`` (precomputed
+        routing only) checks that every id lies in ``[0, E)``, which reads the ids on the host: compiled
+        or not, it runs when the op runs, except while a CUDA graph is being captured (a captured graph
+        then replays without it); pass False where the ids are in range by construction (another
+        router's output) to save the host read.
+
+        The arguments are checked here (in eager mode, and at trace time under ``torch.compile``), then
+        everything else -- the Router, M's bucket and its kernel, the workspace -- runs inside one custom
+        op, ``moe::fused_moe`` (`moe.custom_op`), which the compiler sees as opaque.
         """
         if self.weights is None:
             raise MoEConfigError("FusedMoE has no weights; call load_weights or load_checkpoint first")
         # the layer's own argument names and sizes; the kernel checks hidden again under its own name
         check_hidden(self.problem, self.device, hidden_states, shared_output, name="hidden_states", owner="layer")
         given = _given_routing(router_logits, topk, topk_ids, topk_weights)
+        if given is None:
+            self._check_router_logits(router_logits, hidden_states)
+            return fused_moe(hidden_states, router_logits, None, None, shared_output, self._handle, False, "")
+        name = "topk.ids" if topk is not None else "topk_ids"
+        check_topk(self.problem, hidden_states, given, validate=False, name=name)  # the range: inside the op
+        return fused_moe(hidden_states, None, given.ids, given.weights, shared_output, self._handle, validate, name)
+
+    def run(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None,
+        topk_ids: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        shared_output: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The body of ``moe::fused_moe``, on arguments ``forward`` checked: M's bucket's kernel, routed by
+        ``router_logits`` or by ``topk_ids`` int32 / ``topk_weights`` float32 (ids in range)."""
         bucket = self._bucket(hidden_states.shape[0])
         kernel = self._bucket_kernels[bucket]
-        if given is not None:
-            check_topk(self.problem, hidden_states, given, validate=validate,
-                       name="topk.ids" if topk is not None else "topk_ids")
-            return kernel.forward(hidden_states, given, validate=False, shared_output=shared_output)
-        self._check_router_logits(router_logits, hidden_states)
+        if router_logits is None:
+            return kernel.forward(hidden_states, TopK(topk_ids, topk_weights), validate=False, shared_output=shared_output)
         if self._routes_in_kernel[bucket]:  # e.g. trtllm-gen routes from the logits itself
             return kernel.forward_logits(hidden_states, router_logits, self.router, shared_output=shared_output)
         return kernel.forward(hidden_states, self.router(router_logits), validate=False, shared_output=shared_output)
 
     def _check_router_logits(self, router_logits: torch.Tensor, hidden_states: torch.Tensor) -> None:
         p, tokens = self.problem, hidden_states.shape[0]
-        want = f"[M, num_experts] = [{tokens}, {p.num_experts}] (M = hidden_states.shape[0])"
+        # a function, not a string: formatting M would specialize it under torch.compile
+        def want() -> str:
+            return f"[M, num_experts] = [{tokens}, {p.num_experts}] (M = hidden_states.shape[0])"
         if not isinstance(router_logits, torch.Tensor):
-            raise MoEConfigError(f"router_logits must be a torch.Tensor {want} (got {type(router_logits).__name__})")
-        if tuple(router_logits.shape) != (tokens, p.num_experts):
+            raise MoEConfigError(f"router_logits must be a torch.Tensor {want()} (got {type(router_logits).__name__})")
+        if sizes_differ(router_logits.shape, (tokens, p.num_experts)):
             raise MoEConfigError(
-                f"router_logits must be {want} (got shape {list(router_logits.shape)}); the layer was built for {p.sizes}"
+                f"router_logits must be {want()} (got shape {list(router_logits.shape)}); the layer was built for {p.sizes}"
             )
         if not router_logits.is_floating_point():
             raise MoEConfigError(f"router_logits must be floating point (got {router_logits.dtype})")

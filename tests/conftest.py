@@ -16,3 +16,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """torch.compile's caches and counters emptied before and after a test (its graph counts are its own)."""
+    import torch._dynamo  # only the compile tests use it
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
