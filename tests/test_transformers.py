@@ -268,3 +268,26 @@ def test_the_example_runs_and_matches_eager():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "tokens match eager: True" in done.stdout
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_torch_compile_of_a_patched_model_matches_eager(family):
+    model = tiny_model(family)
+    ids = prompt()
+    expected = eager_logits(model, ids)
+    moe_hf.use_moe(model)  # prepared before compiling: the compiled forward reaches the layers through moe::fused_moe
+    graphs = []
+
+    def keep_graphs(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    with torch.no_grad():
+        whole = torch.compile(model, backend=keep_graphs, fullgraph=True)(ids).logits
+        torch._dynamo.reset()
+        through_aot = torch.compile(model, backend="aot_eager")(ids).logits  # functionalization, as inductor does
+    calls = [node for node in graphs[0].graph.nodes if node.target is torch.ops.moe.fused_moe.default]
+    assert len(graphs) == 1 and len(calls) == len(experts_modules(model)) == 2  # one op per MoE layer, one graph
+    assert relative_error(whole, expected) <= 1e-4
+    assert relative_error(through_aot, expected) <= 1e-4

@@ -21,7 +21,9 @@ A module `moe` cannot serve -- expert parallel, a post-expert norm, quantized we
 activation or gate function, a layout it does not read, or a shape the oracle refuses -- runs on the
 module's own (eager) forward, with one `ExpertsFallbackWarning` naming the module and the reason.
 Preparing, re-preparing and memory (in place where the layouts agree; released and written back by
-``state_dict`` where they do not) are described in ``moe.integrations._binding``.
+``state_dict`` where they do not) are described in ``moe.integrations._binding``. ``torch.compile(model)``
+of a patched model (``fullgraph=True`` too) sees each layer as one ``moe::fused_moe`` call; call
+``use_moe`` before compiling, since a compiled forward does not prepare or re-prepare weights.
 """
 
 from __future__ import annotations
