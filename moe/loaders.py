@@ -28,7 +28,7 @@ stores its weight as ``[out, in]``; keys below follow ``prefix``):
     [E, 2I]``, interleaved alike; ``experts.down_proj [E, I, H]`` used as ``act @ down_proj[e]``;
     ``experts.down_proj_bias [E, H]``. We transpose to ``[E, 2I, H]`` / ``[E, H, I]`` and
     de-interleave to ``[gate; up]``.
-    MXFP4 form (the original checkpoint; ``Mxfp4GptOssExperts`` in integrations/mxfp4.py):
+    MXFP4 form (the original checkpoint; ``Mxfp4GptOssExperts`` in transformers.integrations.mxfp4):
     ``experts.gate_up_proj_blocks [E, 2I, H/32, 16]`` and ``experts.gate_up_proj_scales
     [E, 2I, H/32]``, ``experts.down_proj_blocks [E, H, I/32, 16]`` and ``experts.down_proj_scales
     [E, H, I/32]``, all uint8, and the biases as above. ``convert_moe_packed_tensors`` decodes byte
