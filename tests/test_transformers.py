@@ -191,6 +191,16 @@ def test_a_backend_that_cannot_serve_falls_back_with_its_reasons():
     assert relative_error(moe_logits(model, ids), expected) <= 1e-6
 
 
+def test_post_expert_norm_and_quantized_weights_are_reasons_to_fall_back():
+    _, module = experts_modules(tiny_model("qwen3_moe"))[0]
+    assert moe_hf._read(module).layout == "transformers_fused"
+    module.has_post_expert_norm = True
+    assert "has_post_expert_norm=True" in moe_hf._read(module)
+    module.has_post_expert_norm = False
+    module.gate_up_proj = torch.nn.Parameter(module.gate_up_proj.detach().to(torch.float8_e4m3fn), requires_grad=False)
+    assert "moe serves bf16, fp16 and fp32 modules" in moe_hf._read(module)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])  # in place, and released
 def test_new_parameters_are_prepared_again(family):
     model = tiny_model(family)
