@@ -42,6 +42,7 @@ from moe.routing.layer_inputs import fold_zero_experts, weight_on_input
 from moe.shared import PendingShared, SharedExperts, SharedExpertsConfig, SharedStream, join, shared_experts_for
 from moe.shared_loaders import shared_layout_for
 from moe.weights import ExpertWeights, check_dense_for
+from moe.workspace import WorkspaceManager
 
 
 class FusedMoE(torch.nn.Module):
@@ -55,7 +56,9 @@ class FusedMoE(torch.nn.Module):
 
     The backends come from ``moe.oracle.plan`` (``layer.plan.explain()`` says why): ``experts=NAME``
     forces one (raising with its reasons if it cannot serve), ``policy`` replaces the environment's
-    (``MOE_POLICY`` / ``MOE_EXPERTS`` / ``MOE_PROFILE``), ``platform`` the detected one.
+    (``MOE_POLICY`` / ``MOE_EXPERTS`` / ``MOE_PROFILE``), ``platform`` the detected one. ``workspace``, a
+    `WorkspaceManager` on the layer's device, is shared with other layers that never run at once (the
+    layers of one model): one buffer, as large as the largest of them needs.
 
     ``torch.compile``: the forward is one custom op, ``moe::fused_moe`` (`moe.custom_op`), that reaches
     the layer through an int handle, so ``torch.compile(layer)`` (``fullgraph=True`` too) and compiled
@@ -85,6 +88,7 @@ class FusedMoE(torch.nn.Module):
         policy: Policy | None = None,
         platform: Platform | None = None,
         shared_experts: SharedExperts | SharedExpertsConfig | None = None,
+        workspace: WorkspaceManager | None = None,
         **routing_options: Any,
     ):
         super().__init__()
@@ -116,7 +120,9 @@ class FusedMoE(torch.nn.Module):
         shared = None if self.shared_experts is None else self.shared_experts.config.problem(self.problem)
         self.plan: Plan = plan(self.problem, self.platform, _policy(policy, experts), shared=shared)
         _warn_if_slow(self.plan)
-        self.kernels: dict = build(self.plan, self.device)  # Pair -> ModularKernel
+        _check_instance("workspace", workspace, WorkspaceManager, "e.g. one WorkspaceManager(device) shared by layers "
+                        "that never run at once, or None for the layer's own")
+        self.kernels: dict = build(self.plan, self.device, workspace)  # Pair -> ModularKernel
         # per call: the bucket's upper edges and, for each bucket, its kernel and whether it routes itself
         self._edges = [b.high for b in self.plan.buckets]
         self._bucket_kernels = [self.kernels[b.chosen.pair] for b in self.plan.buckets]
