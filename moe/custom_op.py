@@ -77,10 +77,31 @@ def fused_moe(
     ``validate`` checks the ids lie in ``[0, E)`` (a host read; skipped while a CUDA graph is being
     captured), naming them ``ids_name`` in the error.
     """
+    return run_layer(hidden_states, router_logits, topk_ids, topk_weights, shared_output, input_ids, layer,
+                     validate, ids_name)
+
+
+def run_layer(hidden_states, router_logits, topk_ids, topk_weights, shared_output, input_ids, layer: int,
+              validate: bool, ids_name: str) -> torch.Tensor:
+    """The body of ``moe::fused_moe`` (same arguments), callable without the dispatcher."""
     owner = layer_of(layer)
     if validate and topk_ids is not None and not _capturing(topk_ids):
         check_ids_in_range(owner.problem, topk_ids, ids_name)
     return owner.run(hidden_states, router_logits, topk_ids, topk_weights, shared_output, input_ids)
+
+
+def call(*args) -> torch.Tensor:
+    """``moe::fused_moe(*args)`` where it is needed -- while torch.compile traces, and where an input
+    needs a gradient (the op's autograd formula makes a backward fail clearly) -- else its body directly.
+
+    Why not always the op: an eager call through the dispatcher costs host time on every forward, and
+    the op's first call imports torch._dynamo (measured on an H100: a layer's first forward took 2.2 s,
+    most of it that import). `FusedMoE.forward` calls this.
+    """
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in args[:6])):
+        return fused_moe(*args)
+    return run_layer(*args)
 
 
 @fused_moe.register_fake

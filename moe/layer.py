@@ -24,13 +24,14 @@ from typing import Any, Mapping
 import torch
 
 from moe.build import build
-from moe.custom_op import fused_moe, register
+from moe.custom_op import call, register
 from moe.eplb import ExpertLoadBalancer, Placement
 from moe.eplb_transfer import PendingRebalance, begin_rebalance, gather_slots
 from moe.errors import MoEConfigError, SlowPathWarning
 from moe.kernel import ModularKernel, check_hidden, check_topk, sizes_differ
 from moe.loaders import load_experts, requantize
 from moe.oracle import Plan, Policy, plan
+from moe.oracle.cost import SHARED_OVERLAP_MAX_TOKENS
 from moe.oracle.slow_path import slow_path
 from moe.sharding import shard_weights
 from moe.platform import Platform
@@ -288,7 +289,8 @@ class FusedMoE(torch.nn.Module):
 
         The arguments are checked here (in eager mode, and at trace time under ``torch.compile``), then
         everything else -- the shared experts, the Router, M's bucket and its kernel, the workspace --
-        runs inside one custom op, ``moe::fused_moe`` (`moe.custom_op`), which the compiler sees as opaque.
+        runs inside one custom op, ``moe::fused_moe`` (`moe.custom_op`), which the compiler sees as opaque
+        (in eager mode without gradients, its body is called directly: `moe.custom_op.call`).
         """
         if self.weights is None:
             raise MoEConfigError("FusedMoE has no weights; call load_weights or load_checkpoint first")
@@ -300,10 +302,10 @@ class FusedMoE(torch.nn.Module):
         given = _given_routing(router_logits, topk, topk_ids, topk_weights)
         if given is None:
             self._check_router_logits(router_logits, hidden_states)
-            return fused_moe(hidden_states, router_logits, None, None, shared_output, input_ids, self._handle, False, "")
+            return call(hidden_states, router_logits, None, None, shared_output, input_ids, self._handle, False, "")
         name = "topk.ids" if topk is not None else "topk_ids"
         check_topk(self.problem, hidden_states, given, validate=False, name=name)  # the range: inside the op
-        return fused_moe(hidden_states, None, given.ids, given.weights, shared_output, None, self._handle, validate, name)
+        return call(hidden_states, None, given.ids, given.weights, shared_output, None, self._handle, validate, name)
 
     def run(
         self,
@@ -336,10 +338,11 @@ class FusedMoE(torch.nn.Module):
     def _shared_output(self, hidden_states: torch.Tensor,
                        shared_output: torch.Tensor | None) -> torch.Tensor | PendingShared | None:
         """``shared_output`` as given, or the layer's shared experts on ``hidden_states``: launched on the
-        second stream on CUDA (joined by the kernel right before finalize), computed here on a CPU."""
+        second stream on CUDA up to ``SHARED_OVERLAP_MAX_TOKENS`` tokens (joined by the kernel right before
+        finalize), computed here above it (where the streams' kernels would contend) and on a CPU."""
         if self.shared_experts is None:
             return shared_output
-        if self._shared_stream is None:
+        if self._shared_stream is None or hidden_states.shape[0] > SHARED_OVERLAP_MAX_TOKENS:
             return self.shared_experts(hidden_states)
         return self._shared_stream.launch(self.shared_experts, hidden_states)
 

@@ -237,3 +237,23 @@ def test_a_copy_answers_to_its_own_handle_and_a_freed_layer_to_none():
     gc.collect()
     with pytest.raises(MoEConfigError, match=f"layer handle {handle}, which names no live FusedMoE"):
         layer_of(handle)
+
+
+def test_an_eager_forward_skips_the_dispatcher_and_torch_dynamo():
+    """In eager mode without gradients the op's body runs directly: the op's first call imports
+    torch._dynamo, which made a layer's first forward take 2.2 s on an H100 (benchmarks/load_time.py)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, moe\n"
+        "layer = moe.FusedMoE(4, 2, 16, 8, dtype=torch.float32, quant='fp32')\n"
+        "layer.load_weights(w13=torch.randn(4, 16, 16), w2=torch.randn(4, 16, 8))\n"
+        "with torch.no_grad():\n"
+        "    layer(torch.randn(3, 16), torch.randn(3, 4))\n"
+        "layer(torch.randn(3, 16), topk_ids=torch.zeros(3, 2, dtype=torch.long), topk_weights=torch.ones(3, 2))\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

@@ -19,9 +19,10 @@ its measured times ("% of roofline"), so its fractions and the efficiencies the 
 measured profile points are one quantity.
 
 Shared experts (a dense MLP beside the routed ones) are costed as a one-expert, top-1 problem, whose
-roofline is a dense MLP's, with the ``shared_experts`` profile entry. On a GPU they run on a second
-stream beside the routed part, so the layer takes ``max(routed, shared) + STREAM_FORK_JOIN_US``; on a
-CPU they run first, so it takes the sum.
+roofline is a dense MLP's, with the ``shared_experts`` profile entry. On a GPU, up to
+``SHARED_OVERLAP_MAX_TOKENS`` tokens, they run on a second stream beside the routed part, so the layer
+takes ``max(routed, shared) + STREAM_FORK_JOIN_US``; above it, and on a CPU, they run first, so it takes
+the sum.
 
 The GEMM precision is the activations' format (fp8 -> "fp8", nvfp4 -> "fp4") or, with unquantized
 activations (W4A16, bf16), the dtype. The prepare/finalize half costs its profile's overhead plus the
@@ -59,6 +60,11 @@ SHARED_EXPERTS = "shared_experts"  # the profile's name for the shared MLP (thre
 # The fork and join of the second stream: two event records and two stream waits, each about a
 # microsecond of host time, and the first shared GEMM's launch queued behind the fork.
 STREAM_FORK_JOIN_US = 4.0
+# Up to this M the shared experts overlap the routed ones (FusedMoE does the same). Measured on an H100
+# (benchmarks/results/shared_overlap_nvidia-h100.md, DeepSeek-V3 EP8 slice + its shared expert): the
+# second stream saves 15-17 us at M = 1-64, nothing at 256 and 4096, and costs 446 us at 1024, where the
+# routed GEMMs already fill the GPU and the two streams' kernels contend for its SMs.
+SHARED_OVERLAP_MAX_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -207,7 +213,7 @@ class SharedEstimate:
     """The shared experts' time by itself (``alone``) and how it adds to the routed part's."""
 
     alone: Estimate
-    overlapped: bool  # True on a GPU: a second stream beside the routed experts
+    overlapped: bool  # True on a GPU up to SHARED_OVERLAP_MAX_TOKENS: a second stream beside the routed experts
 
     def layer_us(self, routed_us: float) -> float:
         """The layer's time when the routed part (prepare, experts, finalize) takes ``routed_us``."""
@@ -219,4 +225,4 @@ class SharedEstimate:
 def estimate_shared(shared: MoEProblem, platform: Platform, tokens: int, profile: Profile) -> SharedEstimate:
     """Estimated time of the shared MLP ``shared`` (a one-expert, top-1 problem) for M=``tokens``."""
     alone = _estimate(SHARED_EXPERTS, roofline(shared, platform, tokens).us, shared, platform, tokens, profile)
-    return SharedEstimate(alone, overlapped=platform.is_cuda)
+    return SharedEstimate(alone, overlapped=platform.is_cuda and tokens <= SHARED_OVERLAP_MAX_TOKENS)
