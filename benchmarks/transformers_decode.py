@@ -56,11 +56,12 @@ def sync(device: str) -> None:
 
 
 @torch.no_grad()
-def decode(model, prompt: torch.Tensor, tokens: int, device: str) -> tuple[list[int], list[float]]:
-    """Greedy: the prompt once, then ``tokens`` single-token steps on the KV cache; (tokens, step seconds)."""
+def decode(model, prompt: torch.Tensor, tokens: int, device: str) -> tuple[list[int], list[float], list]:
+    """Greedy: the prompt once, then ``tokens`` single-token steps on the KV cache; (tokens, step seconds,
+    each step's float32 logits on the CPU, taken after the timed region)."""
     out = model(prompt, use_cache=True)
     past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    produced, times = [token.item()], []
+    produced, times, logits = [token.item()], [], [out.logits[0, -1].float().cpu()]
     for _ in range(tokens - 1):
         sync(device)
         start = time.perf_counter()
@@ -70,7 +71,8 @@ def decode(model, prompt: torch.Tensor, tokens: int, device: str) -> tuple[list[
         times.append(time.perf_counter() - start)
         past = out.past_key_values
         produced.append(token.item())
-    return produced, times
+        logits.append(out.logits[0, -1].float().cpu())
+    return produced, times, logits
 
 
 def measure(model, implementation: str, prompt, tokens: int, device: str) -> dict:
@@ -85,10 +87,22 @@ def measure(model, implementation: str, prompt, tokens: int, device: str) -> dic
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         resident = torch.cuda.memory_allocated()  # weights (and moe's shared workspace), between decodes
-    produced, times = decode(model, prompt, tokens, device)
+    produced, times, logits = decode(model, prompt, tokens, device)
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
     return dict(implementation=implementation, tokens=produced, step_ms=1e3 * statistics.median(times),
-                resident_gib=resident / 2**30, peak_gib=peak / 2**30, served=served)
+                resident_gib=resident / 2**30, peak_gib=peak / 2**30, served=served, logits=logits)
+
+
+def flip(row: dict, eager: dict, step: int | None) -> str:
+    """At the first step where greedy tokens differ (histories equal up to there): eager's gap between
+    its best and second-best logit, and this run's largest logit difference from eager at that step. A
+    gap below the difference means the flip is a near-tie within the implementation's rounding."""
+    if step is None:
+        return "-"
+    top2 = eager["logits"][step].topk(2).values
+    gap = (top2[0] - top2[1]).item()
+    noise = (row["logits"][step] - eager["logits"][step]).abs().max().item()
+    return f"{step} (eager gap {gap:.3f}, logit diff {noise:.3f})"
 
 
 def main() -> None:
@@ -116,11 +130,12 @@ def main() -> None:
         eager = None
         for implementation in ("eager", "grouped_mm", "moe"):  # moe last: it may release GPT-OSS's parameters
             row = measure(model, implementation, prompt, args.tokens, args.device)
-            eager = eager or row["tokens"]
-            diff = next((i for i, (a, b) in enumerate(zip(row["tokens"], eager)) if a != b), None)
-            row.update(model=name, device=device_name, equal=row["tokens"] == eager, first_difference=diff)
+            eager = eager or row
+            diff = next((i for i, (a, b) in enumerate(zip(row["tokens"], eager["tokens"])) if a != b), None)
+            row.update(model=name, device=device_name, equal=row["tokens"] == eager["tokens"],
+                       first_difference=diff, at_difference=flip(row, eager, diff))
             rows.append(row)
-            print(f"| {name} | {implementation} | {row['equal']} | {'-' if diff is None else diff} | "
+            print(f"| {name} | {implementation} | {row['equal']} | {row['at_difference']} | "
                   f"{row['step_ms']:.2f} | {row['resident_gib']:.2f} | {row['peak_gib']:.2f} |")
         served = rows[-1]["served"]
         print(f"\n{name} moe layers: {sorted(set(served.values()))}\n")
@@ -129,7 +144,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as file:
-            json.dump(rows, file, indent=1)
+            json.dump([{k: v for k, v in row.items() if k != "logits"} for row in rows], file, indent=1)
 
 
 if __name__ == "__main__":
