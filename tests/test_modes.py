@@ -130,9 +130,14 @@ def test_exclusions_are_generated_per_mode():
     excluded = {c.excluded for c in exclusion_cases(FlashInferTrtllmExperts.capabilities, "quick")}
     assert {"biases with unquantized", "activation gelu with fp8", "scattered expert maps"} <= excluded
     assert "hidden_size=130 (not a multiple of 128) with fp8_block" in excluded
+    from moe.experts import TritonBatchedExperts
+
+    batched = {c.excluded: c for c in exclusion_cases(TritonBatchedExperts.capabilities, "quick")}
+    arch = batched["a100 (SM80) with fp8"]  # the standard-format triton serves it weight-only instead
+    assert arch.platform.name == "a100" and not run_exclusion_case(TritonBatchedExperts, arch).failures
     triton = {c.excluded: c for c in exclusion_cases(TritonExperts.capabilities, "quick")}
-    arch = triton["a100 (SM80) with fp8"]
-    assert arch.platform.name == "a100" and not run_exclusion_case(TritonExperts, arch).failures
+    misaligned = triton["hidden_size=48 (not a multiple of 32) with nvfp4"]  # storable (16s), not split in 32s
+    assert not run_exclusion_case(TritonExperts, misaligned).failures
 
 
 # --- a wrong mode declaration is a failure, not a skip --------------------------------------------------
