@@ -97,7 +97,9 @@ def render_table(plan: "Plan") -> str:
 
 def _basis(plan: "Plan", b: "Bucket") -> str:
     s = b.chosen
-    r = roofline(plan.problem, plan.platform, b.high)
+    mode = plan.classes["experts"][s.pair.experts].capabilities.modes[plan.problem.quant] if plan.classes else None
+    computes = None if mode is None else mode.activation_format(plan.problem.quant, plan.platform)
+    r = roofline(plan.problem, plan.platform, b.high, activation=computes)
     return (f"  {_tokens(b):<12} M={b.high}: roofline {r.us:.1f} us ({r.bound}-bound, {r.experts_hit:.1f} experts hit, "
             f"{r.precision}); {s.pair.experts}: efficiency {s.experts.efficiency:.2f} + {s.experts.overhead_us:g} us "
             f"[{s.experts.basis}]; {s.pair.prepare_finalize}: {s.transport.us:.1f} us [{s.transport.basis}]"

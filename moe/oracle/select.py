@@ -271,9 +271,10 @@ def _rank(low: int, high: int, pairs: dict[Pair, tuple], problem: MoEProblem, pl
 def _score(pair: Pair, pf_cls: type, experts_cls: type, problem: MoEProblem, platform: Platform, tokens: int,
            profile: Profile) -> Scored:
     quantizes = activation_quant(experts_cls, problem) is not QuantFormat.NONE  # prepare quantizes the activations
+    computes = experts_cls.capabilities.modes[problem.quant].activation_format(problem.quant, platform)  # weight-only?
     return Scored(
         pair,
-        estimate_experts(pair.experts, problem, platform, tokens, profile, experts_classes()),
+        estimate_experts(pair.experts, problem, platform, tokens, profile, experts_classes(), computes),
         estimate_transport(pair.prepare_finalize, pf_cls.transport.format, quantizes, problem, platform, tokens,
                            profile),
     )
