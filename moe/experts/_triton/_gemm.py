@@ -179,10 +179,13 @@ def _fp4_loop(acc, acc_up, a_ptr, a_rows, stride_am, stride_ak, w_base, stride_w
 @triton.jit
 def _a_scales(ptrs, WEIGHT_ONLY: tl.constexpr, BLOCK_M: tl.constexpr):
     """A's fp8 scales of a block of rows at ``ptrs``; weight-only (A unquantized): 2**8 instead, which
-    undoes `_e4m3_scaled`'s 2**-8 on the weights."""
+    undoes `_e4m3_scaled`'s 2**-8 on the weights. One return: Triton 3.6 compiling for a GPU rejects
+    returns of two types even under a constexpr branch (the pointer is a uint8 placeholder there)."""
     if WEIGHT_ONLY:
-        return tl.full([BLOCK_M], 256.0, tl.float32)
-    return tl.load(ptrs)
+        scales = tl.full([BLOCK_M], 256.0, tl.float32)
+    else:
+        scales = tl.load(ptrs).to(tl.float32)
+    return scales
 
 
 @triton.jit
