@@ -148,11 +148,16 @@ def test_cuda_graph_replay_without_host_sync(quant, tma, monkeypatch):
         monkeypatch.setattr(cfg.ConfigTable, "lookup", lambda self, m: cfg.LaunchConfig(64, tile, tile))
     p = problem(quant, E=32, k=8, H=1024, I=512, max_tokens=300)
     experts = TritonExperts(p)
-    prepared = experts.prepare_weights(weights_for(p))
-    x = torch.randn(300, p.hidden_size, device="cuda", dtype=p.dtype)
-    topk = topk_for(p, 300)
+    assert_replay_equals_eager_without_sync(experts, experts.prepare_weights(weights_for(p)), p, 300)
+
+
+def assert_replay_equals_eager_without_sync(experts, prepared, p, tokens: int) -> None:
+    """``experts.apply`` on ``tokens`` random rows: no host sync (sync debug mode raises), and a CUDA graph
+    of it, replayed on new inputs in the same buffers, equals an eager call bit for bit."""
+    x = torch.randn(tokens, p.hidden_size, device="cuda", dtype=p.dtype)
+    topk = topk_for(p, tokens)
     dispatched = Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=x, scale=None, fmt="none"), topk)
-    ws = WorkspaceManager("cuda").take(experts.workspace_shapes(DispatchShape(ActivationFormat.STANDARD, 300)))
+    ws = WorkspaceManager("cuda").take(experts.workspace_shapes(DispatchShape(ActivationFormat.STANDARD, tokens)))
     experts.apply(dispatched, prepared, ws)  # compile outside the capture
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any host synchronization raises
@@ -165,7 +170,7 @@ def test_cuda_graph_replay_without_host_sync(quant, tma, monkeypatch):
         out = experts.apply(dispatched, prepared, ws).out
     for _ in range(2):  # new inputs in the same buffers
         x.copy_(torch.randn_like(x))
-        fresh = topk_for(p, 300)
+        fresh = topk_for(p, tokens)
         topk.ids.copy_(fresh.ids)
         topk.weights.copy_(fresh.weights)
         graph.replay()

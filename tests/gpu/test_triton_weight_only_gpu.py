@@ -21,6 +21,7 @@ from moe.quant import QuantizedTensor, dequantize
 from moe.router import TopK
 from moe.testing.tolerance import assert_close_moe
 from moe.weights import ExpertWeights
+from tests.gpu.test_triton_gpu import assert_replay_equals_eager_without_sync
 from moe.workspace import WorkspaceManager
 
 pytestmark = pytest.mark.gpu
@@ -131,27 +132,4 @@ def test_dequantizes_exactly(fmt, block_m, block_k):
 @pytest.mark.parametrize("quant", ["nvfp4", "fp8", "fp8_block"])
 def test_cuda_graph_replay_equals_eager_without_host_sync(quant, tokens):
     p = problem(quant, E=32, k=8, H=1024, I=512, max_tokens=300)
-    experts = TritonExperts(p)
-    prepared = weight_only(p, weights_for(p))
-    x = torch.randn(tokens, p.hidden_size, device="cuda", dtype=p.dtype)
-    topk = topk_for(p, tokens)
-    dispatched = Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=x, scale=None, fmt="none"), topk)
-    ws = WorkspaceManager("cuda").take(experts.workspace_shapes(DispatchShape(ActivationFormat.STANDARD, tokens)))
-    experts.apply(dispatched, prepared, ws)  # compile outside the capture
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")  # any host synchronization raises
-    try:
-        experts.apply(dispatched, prepared, ws)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = experts.apply(dispatched, prepared, ws).out
-    for _ in range(2):  # new inputs in the same buffers
-        x.copy_(torch.randn_like(x))
-        fresh = topk_for(p, tokens)
-        topk.ids.copy_(fresh.ids)
-        topk.weights.copy_(fresh.weights)
-        graph.replay()
-        want = run(experts, prepared, x, topk).clone()
-        assert torch.equal(out, want)
+    assert_replay_equals_eager_without_sync(TritonExperts(p), weight_only(p, weights_for(p)), p, tokens)
