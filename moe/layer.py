@@ -17,8 +17,6 @@ physical experts: forward counts the router's logical ids and maps them to repli
 from __future__ import annotations
 
 import bisect
-import dataclasses
-import warnings
 from typing import Any, Mapping
 
 import torch
@@ -27,17 +25,25 @@ from moe.build import build
 from moe.custom_op import call, register
 from moe.eplb import ExpertLoadBalancer, Placement
 from moe.eplb_transfer import PendingRebalance, begin_rebalance, gather_slots
-from moe.errors import MoEConfigError, SlowPathWarning
+from moe.errors import MoEConfigError
 from moe.kernel import ModularKernel, check_hidden, check_topk, sizes_differ
+from moe.layer_args import (
+    check_instance,
+    check_routing_options,
+    check_weight_on_input,
+    device_of,
+    given_routing,
+    on_device,
+    policy_with,
+    warn_if_slow,
+)
 from moe.loaders import load_experts, requantize
 from moe.oracle import Plan, Policy, plan
 from moe.oracle.cost import SHARED_OVERLAP_MAX_TOKENS
-from moe.oracle.slow_path import slow_path
 from moe.sharding import shard_weights
 from moe.platform import Platform
 from moe.prepare_finalize._ep import process_group
 from moe.problem import MoEProblem, ParallelConfig
-from moe.registry import experts_classes, get_experts
 from moe.router import Router, TopK
 from moe.routing.layer_inputs import fold_zero_experts, weight_on_input
 from moe.shared import PendingShared, SharedExperts, SharedExpertsConfig, SharedStream, join, shared_experts_for
@@ -107,21 +113,21 @@ class FusedMoE(torch.nn.Module):
             max_tokens=max_tokens,
             parallel=parallel or ParallelConfig(),
         )
-        self.device = _device(device)
+        self.device = device_of(device)
         redundant = self.problem.parallel.num_redundant_experts
         self.balancer = ExpertLoadBalancer(self.problem, self.device) if redundant else None
-        _check_routing_options(routing_options)
-        self.router = Router(routing, num_experts, top_k, **_on_device(routing_options, self.device))
-        _check_weight_on_input(self.router)
-        _check_instance("platform", platform, Platform, "e.g. Platform.preset('h100'), or None to detect it")
-        _check_instance("policy", policy, Policy, "e.g. Policy(force=('triton',)), or None for the environment's")
+        check_routing_options(routing_options)
+        self.router = Router(routing, num_experts, top_k, **on_device(routing_options, self.device))
+        check_weight_on_input(self.router)
+        check_instance("platform", platform, Platform, "e.g. Platform.preset('h100'), or None to detect it")
+        check_instance("policy", policy, Policy, "e.g. Policy(force=('triton',)), or None for the environment's")
         self.platform = Platform.detect(self.device) if platform is None else platform
         # the layer's own shared experts (moe/shared.py), on a second stream on CUDA
         self.shared_experts = shared_experts_for(shared_experts, self.problem, self.device)
         shared = None if self.shared_experts is None else self.shared_experts.config.problem(self.problem)
-        self.plan: Plan = plan(self.problem, self.platform, _policy(policy, experts), shared=shared)
-        _warn_if_slow(self.plan)
-        _check_instance("workspace", workspace, WorkspaceManager, "e.g. one WorkspaceManager(device) shared by layers "
+        self.plan: Plan = plan(self.problem, self.platform, policy_with(policy, experts), shared=shared)
+        warn_if_slow(self.plan)
+        check_instance("workspace", workspace, WorkspaceManager, "e.g. one WorkspaceManager(device) shared by layers "
                         "that never run at once, or None for the layer's own")
         self.kernels: dict = build(self.plan, self.device, workspace)  # Pair -> ModularKernel
         # per call: the bucket's upper edges and, for each bucket, its kernel and whether it routes itself
@@ -299,7 +305,7 @@ class FusedMoE(torch.nn.Module):
         if self.shared_experts is not None and shared_output is not None:
             raise MoEConfigError("shared_output: this layer computes its own shared experts (built with "
                                  "shared_experts=...); pass shared_output only to a layer built without them")
-        given = _given_routing(router_logits, topk, topk_ids, topk_weights)
+        given = given_routing(router_logits, topk, topk_ids, topk_weights)
         if given is None:
             self._check_router_logits(router_logits, hidden_states)
             return call(hidden_states, router_logits, None, None, shared_output, input_ids, self._handle, False, "")
@@ -365,98 +371,3 @@ class FusedMoE(torch.nn.Module):
             raise MoEConfigError(
                 f"router_logits is on {router_logits.device} but hidden_states is on {hidden_states.device}"
             )
-
-
-def _given_routing(router_logits, topk, topk_ids, topk_weights) -> TopK | None:
-    """The precomputed routing as a `TopK` (ids int32, weights float32), or None when the layer routes
-    ``router_logits`` itself; exactly one of the three ways must be given."""
-    pair = topk_ids is not None or topk_weights is not None
-    ways = [name for name, given in (("router_logits", router_logits is not None), ("topk", topk is not None),
-                                     ("topk_ids/topk_weights", pair)) if given]
-    if len(ways) != 1:
-        raise MoEConfigError(
-            "FusedMoE.forward takes its routing one way: router_logits [M, E], topk=TopK(...), or "
-            f"topk_ids [M, k] with topk_weights [M, k] (got {' and '.join(ways) if ways else 'none of them'})"
-        )
-    if topk is not None or not pair:
-        return topk
-    if topk_ids is None or topk_weights is None:
-        missing = "topk_weights" if topk_weights is None else "topk_ids"
-        raise MoEConfigError(f"topk_ids and topk_weights go together; {missing} is missing")
-    for name, value, kind, test in (("topk_ids", topk_ids, "an integer", _is_integer),
-                                    ("topk_weights", topk_weights, "a floating-point", torch.is_floating_point)):
-        if not isinstance(value, torch.Tensor) or not test(value):
-            got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
-            raise MoEConfigError(f"{name} must be {kind} torch.Tensor [M, k] (got {got})")
-    return TopK(topk_ids.to(torch.int32), topk_weights.to(torch.float32))
-
-
-def _is_integer(tensor: torch.Tensor) -> bool:
-    return not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype != torch.bool
-
-
-# what FusedMoE passes on to Router besides the routing, E and k (read from Router, not listed twice)
-_ROUTING_OPTIONS = tuple(f.name for f in dataclasses.fields(Router) if f.name not in ("routing", "num_experts", "top_k"))
-
-
-def _device(device: Any) -> torch.device:
-    """``device`` as a torch.device that exists here (cpu or cuda); `MoEConfigError` otherwise."""
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError):
-        parsed = None
-    if parsed is None or parsed.type not in ("cpu", "cuda"):
-        raise MoEConfigError(f"device: {device!r} is not a device moe runs on; use 'cpu' or 'cuda' (or 'cuda:N')")
-    count = torch.cuda.device_count() if parsed.type == "cuda" and torch.cuda.is_available() else 0
-    if parsed.type == "cuda" and count == 0:
-        raise MoEConfigError(
-            f"device: {device!r} but torch.cuda.is_available() is False here (torch {torch.__version__}: no GPU, "
-            "or a CPU-only build); use device='cpu'"
-        )
-    if parsed.type == "cuda" and (parsed.index or 0) >= count:
-        raise MoEConfigError(f"device: {device!r} but this machine has {count} CUDA device(s): cuda:0..cuda:{count - 1}")
-    return parsed
-
-
-def _check_routing_options(options: dict) -> None:
-    unknown = sorted(set(options) - set(_ROUTING_OPTIONS))
-    if unknown:
-        raise MoEConfigError(
-            f"FusedMoE got unknown keyword argument(s) {unknown}; besides its named arguments it takes the "
-            f"routing options {', '.join(_ROUTING_OPTIONS)}"
-        )
-
-
-def _check_weight_on_input(router: Router) -> None:
-    if router.kind.weight_on_input and router.top_k != 1:
-        raise MoEConfigError(
-            f"routing={router.routing!r} multiplies each expert's input by its router weight (Llama-4), which "
-            f"this layer supports for top_k=1 only (got top_k={router.top_k}); each of k > 1 slots would need "
-            "its own scaled input"
-        )
-
-
-def _check_instance(name: str, value: Any, cls: type, example: str) -> None:
-    if value is not None and not isinstance(value, cls):
-        raise MoEConfigError(f"{name} must be a {cls.__name__} or None (got {type(value).__name__} {value!r}); {example}")
-
-
-def _warn_if_slow(layer_plan: Plan) -> None:
-    """One SlowPathWarning when only the reference experts serve some bucket on a GPU (the same text
-    from the same line is shown once per process: a model of many equal layers warns once)."""
-    found = slow_path(layer_plan)
-    if found is not None:
-        warnings.warn(found.message(), SlowPathWarning, stacklevel=3)
-
-
-def _policy(policy: Policy | None, experts: str | None) -> Policy:
-    """The given policy (or the environment's), forcing ``experts`` when given."""
-    policy = Policy.from_env() if policy is None else policy
-    if experts is None:
-        return policy
-    get_experts(experts)  # an unknown name is a MoEConfigError naming the registered ones
-    return policy.forcing(experts, source=f"experts={experts!r}", replacing=experts_classes())
-
-
-def _on_device(options: dict, device: torch.device) -> dict:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in options.items()}
