@@ -39,9 +39,13 @@ def problem(quant, activation="silu", *, E=16, k=4, H=512, I=384, bias=False, ex
                              has_bias=bias, max_tokens=max_tokens, parallel=parallel)
 
 
-def weights_for(p):
+def weights_for(p, spread: tuple[float, float] | None = None):
+    """Random canonical weights; ``spread=(low, high)`` scales expert e's w13 from low to high linearly, so
+    that per-expert scales (fp8 per tensor, NVFP4's global scale) differ from expert to expert."""
     e, r, h, i = p.local_num_experts, p.w13_rows, p.hidden_size, p.intermediate_size
     w13, w2 = torch.randn(e, r, h, device="cuda") / h**0.5, torch.randn(e, h, i, device="cuda") / i**0.5
+    if spread is not None:
+        w13 = w13 * torch.linspace(*spread, e, device="cuda").view(e, 1, 1)
     b13 = 0.1 * torch.randn(e, r, device="cuda") if p.has_bias else None
     b2 = 0.1 * torch.randn(e, h, device="cuda") if p.has_bias else None
     return ExpertWeights.from_dense(w13, w2, b13, b2, quant=p.quant, dtype=p.dtype)

@@ -18,10 +18,9 @@ from moe.formats import ActivationFormat, Dispatched, DispatchShape
 from moe.platform import Platform
 from moe.problem import MoEProblem, ParallelConfig
 from moe.quant import QuantizedTensor, dequantize
-from moe.router import TopK
 from moe.testing.tolerance import assert_close_moe
-from moe.weights import ExpertWeights
-from tests.gpu.test_triton_gpu import assert_replay_equals_eager_without_sync
+from tests.gpu.test_triton_gpu import assert_replay_equals_eager_without_sync, topk_for
+from tests.gpu.test_triton_gpu import weights_for as triton_weights_for
 from moe.workspace import WorkspaceManager
 
 pytestmark = pytest.mark.gpu
@@ -38,17 +37,7 @@ def problem(quant, activation="silu", *, E=16, k=4, H=512, I=384, bias=False, ex
 
 
 def weights_for(p):
-    e, r, h, i = p.local_num_experts, p.w13_rows, p.hidden_size, p.intermediate_size
-    w13 = torch.randn(e, r, h, device="cuda") / h**0.5 * torch.linspace(0.5, 4.0, e, device="cuda").view(e, 1, 1)
-    w2 = torch.randn(e, h, i, device="cuda") / i**0.5
-    b13 = 0.1 * torch.randn(e, r, device="cuda") if p.has_bias else None
-    b2 = 0.1 * torch.randn(e, h, device="cuda") if p.has_bias else None
-    return ExpertWeights.from_dense(w13, w2, b13, b2, quant=p.quant, dtype=p.dtype)
-
-
-def topk_for(p, tokens):
-    ids = torch.rand(tokens, p.num_experts, device="cuda").argsort(1)[:, : p.top_k].int()
-    return TopK(ids, torch.rand(tokens, p.top_k, device="cuda"))
+    return triton_weights_for(p, spread=(0.5, 4.0))
 
 
 def weight_only(p, weights):
