@@ -410,3 +410,27 @@ def test_shipped_config_files_parse():
         key = cfg.ConfigKey(**data["key"])
         assert key.filename == path.name, path
         assert cfg.ConfigTable.load(key).tuned
+
+
+def _table_on(device: str, block_m: int, tmp_path, **changes) -> cfg.ConfigKey:
+    key = cfg.ConfigKey(128, 8, 2048, 768, "silu", "bf16", "standard", device)
+    key = dataclasses.replace(key, **changes)
+    tile = cfg.TileConfig(block_n=128, block_k=64, num_warps=4, num_stages=4)
+    cfg.ConfigTable(key, ((1024, cfg.LaunchConfig(block_m, tile, tile)),)).save(tmp_path)
+    return key
+
+
+def test_a_gpu_without_its_own_table_reads_its_siblings(tmp_path):
+    """H100 and H200 are one chip (SM90, same SMs and shared memory): an H100 takes the H200's table where
+    it has none, its own where it has one, and no other architecture's or problem's table."""
+    _table_on("NVIDIA H200", 64, tmp_path)
+    _table_on("NVIDIA A100-SXM4-80GB", 32, tmp_path, hidden_size=4096)
+    h100 = cfg.ConfigKey(128, 8, 2048, 768, "silu", "bf16", "standard", "NVIDIA H100 80GB HBM3")
+    assert cfg.ConfigTable.load(h100, tmp_path).lookup(1024).block_m == 64
+    a100 = dataclasses.replace(h100, device="NVIDIA A100-SXM4-80GB")
+    assert not cfg.ConfigTable.load(a100, tmp_path).tuned  # the A100 table is another problem's
+    assert not cfg.ConfigTable.load(dataclasses.replace(h100, top_k=4), tmp_path).tuned
+    unknown = dataclasses.replace(h100, device="Some Future GPU")
+    assert not cfg.ConfigTable.load(unknown, tmp_path).tuned
+    _table_on("NVIDIA H100 80GB HBM3", 128, tmp_path)
+    assert cfg.ConfigTable.load(h100, tmp_path).lookup(1024).block_m == 128

@@ -105,7 +105,9 @@ class ConfigTable:
             directory = CONFIG_DIR
         path = directory / key.filename
         if not path.exists():
-            return cls(key)
+            path = sibling_table_path(key, directory)
+            if path is None:
+                return cls(key)
         return cls.from_json(key, json.loads(path.read_text()))
 
     @classmethod
@@ -178,3 +180,25 @@ def default_config(key: ConfigKey, num_tokens: int) -> LaunchConfig:
     tile1 = TileConfig(block_n=64 if gated else 128, block_k=block_k, group_m=8, num_warps=8, num_stages=3)
     tile2 = TileConfig(block_n=128, block_k=block_k, group_m=8, num_warps=8, num_stages=3)
     return LaunchConfig(128, tile1, tile2)
+
+
+def sibling_table_path(key: ConfigKey, directory: Path) -> Path | None:
+    """A table of the same problem tuned on a sibling GPU (another preset of the same architecture,
+    `moe.oracle.profile.sibling_kinds`: H100 <-> H200, one chip with the same SMs and shared memory)
+    for a device that has none of its own: its launch configs fit this device's limits, and they beat
+    the untuned default there (H100, Qwen3-30B-A3B bf16 at M = 1024: benchmarks/results/README)."""
+    from moe.oracle.profile import sibling_kinds
+    from moe.platform import Platform, preset_for_device
+
+    mine, how = preset_for_device(key.device, (0, 0))
+    if "device name" not in how:  # an unknown GPU: no sibling to trust
+        return None
+    siblings = sibling_kinds(Platform.preset(mine))
+    pattern = dataclasses.replace(key, device="DEVICE").filename.replace("DEVICE.json", "*.json")
+    for path in sorted(directory.glob(pattern)):
+        device = json.loads(path.read_text())["key"]["device"]
+        other, how = preset_for_device(device, (0, 0))
+        if "device name" in how and other in siblings:
+            return path
+    return None
+
