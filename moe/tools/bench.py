@@ -57,13 +57,15 @@ CHECKOUT_TARGETS = Path(__file__).resolve().parents[2] / "benchmarks" / "peer_ta
 
 def time_calls(calls: list, graphs: bool, budget_ms: float = 300.0) -> float:
     """Median microseconds of one call, rotating through ``calls`` (each a no-argument function);
-    about ``budget_ms`` of timed repetitions."""
+    about ``budget_ms`` of timed repetitions. Without ``graphs`` it also runs where torch has no CUDA
+    (wall clock; benchmarks' CPU smoke runs)."""
     def run_all():
         for call in calls:
             call()
 
     run_all()  # compile / warm up
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     fn = run_all
     if graphs:
         graph = torch.cuda.CUDAGraph()
