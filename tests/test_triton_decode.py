@@ -26,7 +26,7 @@ from moe.router import TopK  # noqa: E402
 from moe.testing.tolerance import assert_close_moe, regime_for  # noqa: E402
 from tests.test_triton import make_problem, make_weights, reference_reduced, run_experts  # noqa: E402
 
-FMA = DecodeTile(block_n=32, block_k=64, splits=3, block_m=2, dot=False)
+FMA = DecodeTile(block_n=16, block_k=64, splits=3, block_m=2, dot=False)
 DOT = DecodeTile(block_n=16, block_k=128, splits=1, block_m=16, dot=True)
 DOT_SPLIT = DecodeTile(block_n=32, block_k=64, splits=2, block_m=16, dot=True)
 
@@ -58,7 +58,7 @@ def check(p, num_tokens, config, monkeypatch, hot=False, dtype=torch.float16):
 
 
 def gpt_oss_like(**kw):
-    args = dict(E=8, k=4, H=256, I=256, bias=True, max_tokens=64)
+    args = dict(E=8, k=4, H=128, I=160, bias=True, max_tokens=64)
     args.update(kw)
     return make_problem("mxfp4", "swiglu_oai", **args)
 

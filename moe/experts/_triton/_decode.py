@@ -18,7 +18,7 @@ The weight format lives in `_weight_half_tiles` and its scale decoders: NVFP4 pl
 import triton
 import triton.language as tl
 
-from moe.experts._triton._gemm import _activate, _dot, _e2m1_scaled, _e8m0_factor
+from moe.experts._triton._gemm import _activate, _dot, _mxfp4_half_tiles
 from moe.experts._triton._lang import cdiv_, cumsum_, sum_
 
 # e2m1 codes of 4 bytes -> 8 bfloat16 values times the scale, 2 per register. The code's magnitude
@@ -71,24 +71,19 @@ def _weight_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, dtype: tl.constexpr, EV
                        ASM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """One K step of MXFP4 weights dequantized: the ``[BLOCK_K/2, BLOCK_N]`` half-tiles of the low
     and high nibbles (weights.py's half-split layout; pointers as in `_gemm._mxfp4_half_tiles`).
-    ``ASM``: packed bf16x2 PTX (4 bytes per call, bfloat16 only); else exact float32 math in ``dtype``."""
+    ``ASM``: packed bf16x2 PTX (4 bytes per call, bfloat16 only); else `_gemm`'s exact float32 math."""
+    if not ASM:
+        return _mxfp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, dtype, EVEN_K, BLOCK_K, BLOCK_N)
     if EVEN_K:
         packed = tl.load(w_ptrs)
         words = tl.load(s_ptrs)
     else:
         packed = tl.load(w_ptrs, mask=group_ok, other=0)
         words = tl.load(s_ptrs, mask=group_ok, other=0)
-    scale_bytes = (words >> shifts) & 255
-    if ASM:
-        scale = _e8m0_bf16_biased(scale_bytes)
-        low, high = tl.inline_asm_elementwise(_E2M1_BF16X2, "=r,=r,=r,=r,r,r,r", [packed, scale],
-                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-        low, high = low.to(dtype), high.to(dtype)
-    else:
-        factor = _e8m0_factor(scale_bytes)
-        packed = packed.to(tl.int32)
-        low = _e2m1_scaled(((packed & 0x08) << 12) | ((packed & 0x07) << 9), factor, dtype)
-        high = _e2m1_scaled(((packed & 0x80) << 8) | ((packed & 0x70) << 5), factor, dtype)
+    scale = _e8m0_bf16_biased((words >> shifts) & 255)
+    low, high = tl.inline_asm_elementwise(_E2M1_BF16X2, "=r,=r,=r,=r,r,r,r", [packed, scale],
+                                          dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    low, high = low.to(dtype), high.to(dtype)
     return tl.reshape(low, (BLOCK_K // 2, BLOCK_N)), tl.reshape(high, (BLOCK_K // 2, BLOCK_N))
 
 
