@@ -26,7 +26,7 @@ from moe.experts._triton._lang import cdiv_, cumsum_, sum_
 # is the e2m1 value times 2**-126 (code 1 a subnormal), which the fma by 2**(e - 1) turns into the
 # value times 2**(e - 127). prmt first puts byte 0 in the low and byte 1 in the high half (then
 # bytes 2 and 3): bits 8..11 hold the low nibble, 12..15 the high nibble of each half's byte.
-_E2M1_BF16X2 = """
+_E2M1_BF16X2 = tl.constexpr("""
 {
 .reg .b32 t<2>, s, m, zero, negz;
 mov.b32 zero, 0;
@@ -56,7 +56,7 @@ and.b32 m, m, 0x01C001C0;
 or.b32 s, s, m;
 fma.rn.bf16x2 $3, s, $6, negz;
 }
-"""
+""")
 
 
 @triton.jit
@@ -73,29 +73,33 @@ def _weight_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, dtype: tl.constexpr, EV
     and high nibbles (weights.py's half-split layout; pointers as in `_gemm._mxfp4_half_tiles`).
     ``ASM``: packed bf16x2 PTX (4 bytes per call, bfloat16 only); else `_gemm`'s exact float32 math."""
     if not ASM:
-        return _mxfp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, dtype, EVEN_K, BLOCK_K, BLOCK_N)
-    if EVEN_K:
-        packed = tl.load(w_ptrs)
-        words = tl.load(s_ptrs)
+        low, high = _mxfp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, dtype, EVEN_K, BLOCK_K, BLOCK_N)
     else:
-        packed = tl.load(w_ptrs, mask=group_ok, other=0)
-        words = tl.load(s_ptrs, mask=group_ok, other=0)
-    scale = _e8m0_bf16_biased((words >> shifts) & 255)
-    low, high = tl.inline_asm_elementwise(_E2M1_BF16X2, "=r,=r,=r,=r,r,r,r", [packed, scale],
-                                          dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    low, high = low.to(dtype), high.to(dtype)
-    return tl.reshape(low, (BLOCK_K // 2, BLOCK_N)), tl.reshape(high, (BLOCK_K // 2, BLOCK_N))
+        if EVEN_K:
+            packed = tl.load(w_ptrs)
+            words = tl.load(s_ptrs)
+        else:
+            packed = tl.load(w_ptrs, mask=group_ok, other=0)
+            words = tl.load(s_ptrs, mask=group_ok, other=0)
+        scale = _e8m0_bf16_biased((words >> shifts) & 255)
+        low, high = tl.inline_asm_elementwise(_E2M1_BF16X2, "=r,=r,=r,=r,r,r,r", [packed, scale],
+                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        low = tl.reshape(low.to(dtype), (BLOCK_K // 2, BLOCK_N))
+        high = tl.reshape(high.to(dtype), (BLOCK_K // 2, BLOCK_N))
+    return low, high
 
 
 @triton.jit
 def _accumulate(acc, a_lo, a_hi, w_lo, w_hi, DOT: tl.constexpr, IEEE: tl.constexpr):
     """``acc += a_lo @ w_lo + a_hi @ w_hi``: tensor cores (``DOT``, acc ``[BLOCK_M, BLOCK_N]``), or
     float32 FMAs into ``[BLOCK_M, BLOCK_K/2, BLOCK_N]`` reduced over K after the loop (few rows)."""
+    # if/else rather than an early return: Triton on the GPU type-checks the code after a constexpr return
     if DOT:
-        acc = _dot(a_lo, w_lo, acc, IEEE)
-        return _dot(a_hi, w_hi, acc, IEEE)
-    lo = a_lo.to(tl.float32)[:, :, None] * w_lo.to(tl.float32)[None, :, :]
-    return acc + lo + a_hi.to(tl.float32)[:, :, None] * w_hi.to(tl.float32)[None, :, :]
+        acc = _dot(a_hi, w_hi, _dot(a_lo, w_lo, acc, IEEE), IEEE)
+    else:
+        lo = a_lo.to(tl.float32)[:, :, None] * w_lo.to(tl.float32)[None, :, :]
+        acc = acc + lo + a_hi.to(tl.float32)[:, :, None] * w_hi.to(tl.float32)[None, :, :]
+    return acc
 
 
 @triton.jit
