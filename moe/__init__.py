@@ -32,6 +32,7 @@ from moe.problem import MoEProblem, ParallelConfig
 from moe.quant import QuantFormat, QuantizedTensor, QuantScheme
 from moe.registry import BrokenPluginWarning, register_experts, register_prepare_finalize
 from moe.router import Router, TopK
+from moe.shared import SharedExperts, SharedExpertsConfig
 from moe.weights import ExpertWeights
 from moe.workspace import Workspace, WorkspaceManager, WorkspaceShapes
 
@@ -65,6 +66,8 @@ __all__ = [
     "QuantFormat",
     "QuantScheme",
     "QuantizedTensor",
+    "SharedExperts",
+    "SharedExpertsConfig",
     "SlowPathWarning",
     "ReferenceExperts",
     "Router",

@@ -16,9 +16,12 @@ from moe.oracle.select import EXPERTS, PREPARE_FINALIZE, Pair, Plan
 from moe.workspace import WorkspaceManager
 
 
-def build(plan: Plan, device: torch.device | str = "cpu") -> dict[Pair, ModularKernel]:
-    """One ModularKernel per distinct pair of ``plan``, in the order of their first bucket."""
-    manager = WorkspaceManager(device)
+def build(
+    plan: Plan, device: torch.device | str = "cpu", workspace: WorkspaceManager | None = None
+) -> dict[Pair, ModularKernel]:
+    """One ModularKernel per distinct pair of ``plan``, in the order of their first bucket, taking their
+    workspace from ``workspace`` (layers that never run at once may share one) or a new manager."""
+    manager = WorkspaceManager(device) if workspace is None else workspace
     kernels = {}
     for pair in plan.pairs():
         problem = plan.member_problem(pair)

@@ -18,6 +18,7 @@ import bisect
 from typing import Any, Sequence
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from moe.compose import activation_quant, composition_problems
 from moe.errors import MoEConfigError
@@ -27,6 +28,7 @@ from moe.platform import Platform
 from moe.prepare_finalize.base import PrepareFinalize
 from moe.problem import MoEProblem
 from moe.router import Router, TopK
+from moe.shared import PendingShared, join, pending_tensor
 from moe.weights import ExpertWeights
 from moe.workspace import Workspace, WorkspaceLayout, WorkspaceManager
 
@@ -164,10 +166,11 @@ class ModularKernel:
         topk: TopK,
         *,
         validate: bool = True,
-        shared_output: torch.Tensor | None = None,
+        shared_output: torch.Tensor | PendingShared | None = None,
     ) -> torch.Tensor:
         """``hidden [M, H]`` routed by ``topk`` -> a new ``[M, H]`` tensor (+ ``shared_output [M, H]``,
-        the shared experts' result, added inside finalize), on the weights given to ``load``.
+        the shared experts' result, added inside finalize), on the weights given to ``load``. A
+        `moe.shared.PendingShared` (computed on a second stream) is joined right before finalize.
 
         ``validate`` also checks that every expert id is in range, which reads the ids on the host; pass
         False when the ids come from a Router (in range by construction) or inside a CUDA graph.
@@ -177,7 +180,7 @@ class ModularKernel:
         space = self._sections(hidden.shape[0])
         dispatched, route = self.prepare_finalize.prepare(hidden, topk, self.quantize_to, space[_PREPARE])
         output = self.experts.apply(dispatched, self._prepared, space[_EXPERTS])
-        return self.prepare_finalize.finalize(output, dispatched, route, topk, shared_output)
+        return self.prepare_finalize.finalize(output, dispatched, route, topk, join(shared_output))
 
     __call__ = forward
 
@@ -189,7 +192,7 @@ class ModularKernel:
 
     def forward_logits(
         self, hidden: torch.Tensor, router_logits: torch.Tensor, router: Router,
-        *, shared_output: torch.Tensor | None = None,
+        *, shared_output: torch.Tensor | PendingShared | None = None,
     ) -> torch.Tensor:
         """Like ``forward(hidden, router(router_logits))``, with the routing fused into the experts'
         kernel where ``routes_in_kernel(router)``; the Router runs here otherwise."""
@@ -203,10 +206,10 @@ class ModularKernel:
             )
         space = self._sections(hidden.shape[0])
         output = self.experts.apply_router_logits(hidden, router_logits, router, self._prepared, space[_EXPERTS])
-        return self.prepare_finalize.finalize_reduced(output.out, shared_output)
+        return self.prepare_finalize.finalize_reduced(output.out, join(shared_output))
 
-    def _check_hidden(self, hidden: torch.Tensor, shared_output: torch.Tensor | None) -> None:
-        check_hidden(self.problem, self.workspace.device, hidden, shared_output)
+    def _check_hidden(self, hidden: torch.Tensor, shared_output: torch.Tensor | PendingShared | None) -> None:
+        check_hidden(self.problem, self.workspace.device, hidden, pending_tensor(shared_output))
 
     def _check_topk(self, hidden: torch.Tensor, topk: TopK, validate: bool) -> None:
         check_topk(self.problem, hidden, topk, validate=validate)
@@ -221,18 +224,24 @@ def check_topk(problem: MoEProblem, hidden: torch.Tensor, topk: TopK, *, validat
             f"topk must be a moe.TopK(ids [M, k] int32, weights [M, k] float32), e.g. router(router_logits) "
             f"(got {type(topk).__name__})"
         )
-    if tuple(topk.ids.shape) != (hidden.shape[0], p.top_k):
+    if sizes_differ(topk.ids.shape, (hidden.shape[0], p.top_k)):
         raise MoEConfigError(
             f"{name} must be [M, top_k] = [{hidden.shape[0]}, {p.top_k}] (got {list(topk.ids.shape)}); "
             f"the kernel was built for {p.sizes}"
         )
     if topk.ids.device != hidden.device:
         raise MoEConfigError(f"{name} is on {topk.ids.device} but hidden is on {hidden.device}")
-    if validate and topk.ids.numel():
-        low, high = int(topk.ids.min()), int(topk.ids.max())
-        if low < 0 or high >= p.num_experts:
+    if validate:
+        check_ids_in_range(p, topk.ids, name)
+
+
+def check_ids_in_range(problem: MoEProblem, ids: torch.Tensor, name: str) -> None:
+    """Raises `MoEConfigError` naming ``name`` unless every id is in ``[0, E)``: a host read of the ids."""
+    if ids.numel():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= problem.num_experts:
             raise MoEConfigError(
-                f"{name} must lie in [0, num_experts={p.num_experts}) (got values in [{low}, {high}])"
+                f"{name} must lie in [0, num_experts={problem.num_experts}) (got values in [{low}, {high}])"
             )
 
 
@@ -262,22 +271,33 @@ def check_hidden(
         raise MoEConfigError(f"{name} must be {p.dtype}, the dtype {built} (got {hidden.dtype})")
     if hidden.device.type != torch.device(device).type:
         raise MoEConfigError(f"{name} is on {hidden.device} but {built} {device}")
-    if hidden.shape[0] > p.max_tokens:
+    # an unbacked M (torch.compile, mark_unbacked) cannot be compared at trace time; the layer's bucket
+    # lookup raises the same error when the op runs
+    if guard_or_false(hidden.shape[0] > p.max_tokens):
         raise MoEConfigError(
             f"{name} has M={hidden.shape[0]} tokens, which exceeds max_tokens={p.max_tokens} {built}; "
             f"build the {owner} with a larger max_tokens or split the batch"
         )
     if shared_output is None:
         return
-    want = f"[{hidden.shape[0]}, {hidden.shape[1]}] {hidden.dtype} on {hidden.device}"
+    # a function, not a string: formatting M would specialize it under torch.compile
+    def want() -> str:
+        return f"[{hidden.shape[0]}, {hidden.shape[1]}] {hidden.dtype} on {hidden.device}"
     if not isinstance(shared_output, torch.Tensor):
-        raise MoEConfigError(f"shared_output must match {name}: {want} (got {type(shared_output).__name__})")
-    if (shared_output.shape, shared_output.dtype, shared_output.device) != (hidden.shape, hidden.dtype, hidden.device):
+        raise MoEConfigError(f"shared_output must match {name}: {want()} (got {type(shared_output).__name__})")
+    if sizes_differ(shared_output.shape, hidden.shape) or (shared_output.dtype, shared_output.device) != (hidden.dtype, hidden.device):
         raise MoEConfigError(
-            f"shared_output must match {name}: {want} "
+            f"shared_output must match {name}: {want()} "
             f"(got {list(shared_output.shape)} {shared_output.dtype} on {shared_output.device})"
         )
 
+
+
+def sizes_differ(got: Sequence, want: Sequence) -> bool:
+    """True when the sizes ``got`` and ``want`` certainly differ. Under ``torch.compile`` a pair that
+    cannot be decided at trace time (an unbacked M against another unbacked M) counts as equal here, so
+    the check does not break the trace; the kernel inside ``moe::fused_moe`` checks it again when it runs."""
+    return len(got) != len(want) or any(guard_or_false(a != b) for a, b in zip(got, want))
 
 
 def _manager(workspace: WorkspaceManager | None, device: torch.device | str) -> WorkspaceManager:

@@ -28,7 +28,7 @@ stores its weight as ``[out, in]``; keys below follow ``prefix``):
     [E, 2I]``, interleaved alike; ``experts.down_proj [E, I, H]`` used as ``act @ down_proj[e]``;
     ``experts.down_proj_bias [E, H]``. We transpose to ``[E, 2I, H]`` / ``[E, H, I]`` and
     de-interleave to ``[gate; up]``.
-    MXFP4 form (the original checkpoint; ``Mxfp4GptOssExperts`` in integrations/mxfp4.py):
+    MXFP4 form (the original checkpoint; ``Mxfp4GptOssExperts`` in transformers.integrations.mxfp4):
     ``experts.gate_up_proj_blocks [E, 2I, H/32, 16]`` and ``experts.gate_up_proj_scales
     [E, 2I, H/32]``, ``experts.down_proj_blocks [E, H, I/32, 16]`` and ``experts.down_proj_scales
     [E, H, I/32]``, all uint8, and the biases as above. ``convert_moe_packed_tensors`` decodes byte
@@ -39,6 +39,18 @@ stores its weight as ``[out, in]``; keys below follow ``prefix``):
     nibble = even element, e8m0 with bias 127), so blocks are reshaped to ``[E, R, H/2]`` and rows
     de-interleaved -- data, scales and bias together -- without dequantizing.
     Which form a checkpoint holds is told by which keys exist.
+``nemotron_h`` -- ``NemotronHExperts`` (models/nemotron_h/modeling_nemotron_h.py) as ``save_pretrained``
+    writes it, at ``backbone.layers.{l}.mixer.``: non-gated (relu2) experts,
+    ``experts.{e}.up_proj.weight [I, H]`` and ``experts.{e}.down_proj.weight [H, I]``; forward
+    ``down_proj(relu2(up_proj(x)))``. With a latent MoE (``moe_latent_size`` set), H here is the latent
+    size: ``fc1_latent_proj`` / ``fc2_latent_proj`` project to and from it outside the experts.
+``transformers_fused`` -- the experts module of transformers >= 5 in memory (its ``state_dict``;
+    ``save_pretrained`` converts back to the per-expert keys above): ``experts.gate_up_proj [E, 2I, H]``
+    rows ``[gate; up]`` (Qwen3-MoE, Mixtral, DeepSeek-V3/V4), or ``experts.up_proj [E, I, H]`` for
+    non-gated experts (Nemotron-H); ``experts.down_proj [E, H, I]``; optional ``experts.gate_up_proj_bias
+    [E, 2I]`` (``up_proj_bias``) and ``experts.down_proj_bias [E, H]``. This is the canonical layout.
+``transformers_fused_transposed`` -- the transposed, interleaved in-memory form (GPT-OSS's
+    ``is_transposed=True, is_concatenated=False``): the ``gpt_oss`` bf16 form, biases optional.
 """
 
 from __future__ import annotations
@@ -53,19 +65,22 @@ from moe.quant import QuantFormat, QuantizedTensor, QuantScheme
 from moe.quant.mx import MX_BLOCK  # 32 elements (16 bytes of e2m1) per e8m0 scale
 from moe.weights import DENSE_DTYPES, ExpertWeights, check_finite, resolve_quant
 
-LAYOUTS = ("qwen3", "deepseek", "mixtral", "gpt_oss")
+LAYOUTS = ("qwen3", "deepseek", "mixtral", "gpt_oss", "nemotron_h", "transformers_fused", "transformers_fused_transposed")
 
-# layout -> checkpoint module names of (gate, up, down) under experts.{e}.
+# layout -> checkpoint module names of (gate, up, down) under experts.{e}.; gate None: non-gated experts
 _PER_EXPERT_NAMES = {
     "qwen3": ("gate_proj", "up_proj", "down_proj"),
     "deepseek": ("gate_proj", "up_proj", "down_proj"),
     "mixtral": ("w1", "w3", "w2"),
+    "nemotron_h": (None, "up_proj", "down_proj"),
 }
 _E8M0_NAN = 0xFF  # the e8m0 encoding of NaN
 # a key each layout always has, to name the layout a checkpoint looks like when it is loaded as another
 _FIRST_KEYS = {
-    **{layout: f"experts.0.{names[0]}.weight" for layout, names in _PER_EXPERT_NAMES.items() if layout != "deepseek"},
+    **{layout: f"experts.0.{names[0] or names[1]}.weight" for layout, names in _PER_EXPERT_NAMES.items()
+       if layout != "deepseek"},
     "gpt_oss": "experts.down_proj_bias",
+    "transformers_fused": "experts.down_proj",
 }
 
 
@@ -102,6 +117,10 @@ def load_experts(
     checkpoint = _Checkpoint(tensors, prefix, layout, sizes.note())
     if layout == "gpt_oss":
         return _load_gpt_oss(checkpoint, num_experts, dtype, sizes)
+    if layout == "transformers_fused":
+        return _load_fused(checkpoint, num_experts, dtype, sizes)
+    if layout == "transformers_fused_transposed":
+        return _load_gpt_oss_dense(checkpoint, num_experts, dtype, sizes)
     return _load_per_expert(checkpoint, num_experts, dtype, sizes)
 
 
@@ -123,6 +142,32 @@ def requantize(
         return weights
     w13, w2 = weights.dequantize(torch.float32)
     return ExpertWeights.from_dense(w13, w2, weights.b13, weights.b2, quant=fmt, dtype=dtype)
+
+
+def to_layout(weights: ExpertWeights, layout: str, *, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Unquantized canonical ``weights`` as ``layout`` stores them (keys without a prefix), in ``dtype``:
+    the inverse of `load_experts` for the in-memory transformers layouts, which ``moe.integrations.transformers``
+    uses to give a module its parameters back. Other layouts raise `MoEConfigError`."""
+    writers = {"transformers_fused": _fused_tensors, "transformers_fused_transposed": _fused_transposed_tensors}
+    if layout not in writers:
+        raise MoEConfigError(f"layout: to_layout writes {tuple(writers)} (got {layout!r})")
+    if weights.weight_format is not QuantFormat.NONE:
+        raise MoEConfigError(f"to_layout takes unquantized weights (got {weights.weight_format.value})")
+    tensors = writers[layout](weights)
+    return {key: value.to(dtype) for key, value in tensors.items() if value is not None}
+
+
+def _fused_tensors(weights: ExpertWeights) -> dict[str, torch.Tensor | None]:
+    first = "gate_up_proj" if weights.w13_rows == 2 * weights.intermediate_size else "up_proj"
+    return {f"experts.{first}": weights.w13.data, "experts.down_proj": weights.w2.data,
+            f"experts.{first}_bias": weights.b13, "experts.down_proj_bias": weights.b2}
+
+
+def _fused_transposed_tensors(weights: ExpertWeights) -> dict[str, torch.Tensor | None]:
+    b13 = None if weights.b13 is None else _interleave_rows(weights.b13)
+    return {"experts.gate_up_proj": _interleave_rows(weights.w13.data).transpose(1, 2).contiguous(),
+            "experts.down_proj": weights.w2.data.transpose(1, 2).contiguous(),
+            "experts.gate_up_proj_bias": b13, "experts.down_proj_bias": weights.b2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,26 +253,46 @@ class _Checkpoint:
 def _load_per_expert(
     checkpoint: _Checkpoint, num_experts: int, dtype: torch.dtype | None, sizes: _Sizes
 ) -> ExpertWeights:
-    """qwen3 / deepseek / mixtral: three nn.Linear weights ``[out, in]`` per expert."""
+    """qwen3 / deepseek / mixtral / nemotron_h: nn.Linear weights ``[out, in]`` per expert (gate, up, down;
+    nemotron_h has no gate)."""
     gate_name, up_name, down_name = _PER_EXPERT_NAMES[checkpoint.layout]
-    first = f"experts.0.{gate_name}.weight"
+    first = f"experts.0.{gate_name or up_name}.weight"
     reference = checkpoint.get(first, "[I, H]", (sizes.inter, sizes.hidden))
     (inter, hidden), stored = reference.shape, reference.dtype
-    beyond = f"experts.{num_experts}.{gate_name}.weight"
+    beyond = f"experts.{num_experts}.{gate_name or up_name}.weight"
     if checkpoint.has(beyond):
         raise MoEConfigError(
             f"found key {checkpoint.prefix + beyond!r} but num_experts={num_experts}; pass the "
             "layer's full expert count (ExpertWeights.select_experts takes a subset)"
         )
     note = f" (as {checkpoint.prefix + first!r}: every expert has the same sizes and dtype)"
+    get = lambda e, name, dims, shape: checkpoint.get(f"experts.{e}.{name}.weight", dims, shape, note, stored)  # noqa: E731
     w13, w2 = [], []
     for e in range(num_experts):
-        gate, up, down = (f"experts.{e}.{name}.weight" for name in (gate_name, up_name, down_name))
-        gate = checkpoint.get(gate, "[I, H]", (inter, hidden), note, stored)
-        up = checkpoint.get(up, "[I, H]", (inter, hidden), note, stored)
-        w13.append(torch.cat([gate, up], dim=0))
-        w2.append(checkpoint.get(down, "[H, I]", (hidden, inter), note, stored))
+        rows = [get(e, name, "[I, H]", (inter, hidden)) for name in (gate_name, up_name) if name is not None]
+        w13.append(torch.cat(rows, dim=0))
+        w2.append(get(e, down_name, "[H, I]", (hidden, inter)))
     return ExpertWeights.from_dense(torch.stack(w13), torch.stack(w2), dtype=dtype)
+
+
+def _load_fused(checkpoint: _Checkpoint, num_experts: int, dtype: torch.dtype | None, sizes: _Sizes) -> ExpertWeights:
+    """transformers_fused: the canonical layout under transformers' names; contiguous tensors of the
+    requested dtype are used as they are (no copy)."""
+    gated = checkpoint.has("experts.gate_up_proj") or not checkpoint.has("experts.up_proj")
+    first = "experts.gate_up_proj" if gated else "experts.up_proj"
+    rows = sizes.gate_up_rows if gated else sizes.inter
+    w13 = checkpoint.get(first, "[E, 2I, H]" if gated else "[E, I, H]", (num_experts, rows, sizes.hidden))
+    _, rows, hidden = w13.shape
+    if gated:
+        _check_even_rows(checkpoint, first, rows, multiple=1)
+    w2 = checkpoint.get("experts.down_proj", "[E, H, I]", (num_experts, hidden, rows // 2 if gated else rows))
+    b13 = _optional(checkpoint, first + "_bias", "[E, R]", (num_experts, rows))
+    b2 = _optional(checkpoint, "experts.down_proj_bias", "[E, H]", (num_experts, hidden))
+    return ExpertWeights.from_dense(w13, w2, b13, b2, dtype=dtype)
+
+
+def _optional(checkpoint: _Checkpoint, key: str, dims: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+    return checkpoint.get(key, dims, shape) if checkpoint.has(key) else None
 
 
 def _load_gpt_oss(
@@ -297,10 +362,14 @@ def _check_even_rows(checkpoint: _Checkpoint, key: str, rows: int, multiple: int
 
 def _gpt_oss_biases(
     checkpoint: _Checkpoint, experts: int, rows: int, hidden: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(b13 [E, 2I] de-interleaved, b2 [E, H])`` in float32."""
-    b13 = checkpoint.get("experts.gate_up_proj_bias", "[E, 2I]", (experts, rows))
-    b2 = checkpoint.get("experts.down_proj_bias", "[E, H]", (experts, hidden))
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(b13 [E, 2I] de-interleaved, b2 [E, H])`` in float32; the gpt_oss layout requires them, the
+    transformers_fused_transposed layout reads them where they are present."""
+    keys = ("experts.gate_up_proj_bias", "experts.down_proj_bias")
+    if checkpoint.layout.startswith("transformers") and not any(checkpoint.has(k) for k in keys):
+        return None, None
+    b13 = checkpoint.get(keys[0], "[E, 2I]", (experts, rows))
+    b2 = checkpoint.get(keys[1], "[E, H]", (experts, hidden))
     return _deinterleave_rows(b13.float()), b2.float().contiguous()
 
 
@@ -315,3 +384,9 @@ def _mxfp4_weight(data: torch.Tensor, scale: torch.Tensor, *, deinterleave: bool
 def _deinterleave_rows(x: torch.Tensor) -> torch.Tensor:
     """Dimension 1 from interleaved ``g0, u0, g1, u1, ...`` to ``[gate; up]``, as a new tensor."""
     return torch.cat([x[:, 0::2], x[:, 1::2]], dim=1)
+
+
+def _interleave_rows(x: torch.Tensor) -> torch.Tensor:
+    """Dimension 1 from ``[gate; up]`` to interleaved ``g0, u0, g1, u1, ...`` (undoes `_deinterleave_rows`)."""
+    gate, up = x.chunk(2, dim=1)
+    return torch.stack([gate, up], dim=2).flatten(1, 2)

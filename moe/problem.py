@@ -7,6 +7,7 @@ k experts per token (top-k), ``w13`` the first GEMM's weights ``[E, 2I, H]`` (ro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,12 +46,17 @@ class ParallelConfig:
     of E ints, global id -> local id or -1 when the expert lives elsewhere) overrides that.
     ``group`` is the torch.distributed process group (None: the default group); it takes no part in
     equality or repr.
+
+    ``num_redundant_experts`` N > 0 adds N physical expert slots for replicas of hot experts (EPLB,
+    `moe.eplb`): the ``E + N`` physical experts are sharded contiguously, ``(E + N) / ep_size`` per rank,
+    and every map here (``global_to_local``, ``local_num_experts``) counts physical experts.
     """
 
     ep_size: int = 1
     ep_rank: int = 0
     expert_map: tuple[int, ...] | None = None
     group: Any = field(default=None, compare=False, repr=False)
+    num_redundant_experts: int = 0
 
     def __post_init__(self):
         _positive("ep_size", self.ep_size)
@@ -68,27 +74,66 @@ class ParallelConfig:
                     "expert_map must map each global expert to -1 or a local id, the local ids being "
                     f"0..n-1 each exactly once (got {self.expert_map})"
                 )
+        self._check_redundant()
+
+    def _check_redundant(self) -> None:
+        n = self.num_redundant_experts
+        if not (_is_int(n) and n >= 0):
+            raise MoEConfigError(f"num_redundant_experts must be an int >= 0 (got {n!r})")
+        if n and self.ep_size == 1:
+            raise MoEConfigError(
+                f"num_redundant_experts={n} needs expert parallelism (ep_size > 1): replicas balance the load "
+                "between ranks; on one rank use num_redundant_experts=0"
+            )
+        if n and self.expert_map is not None:
+            raise MoEConfigError(
+                f"num_redundant_experts={n} goes without expert_map: EPLB (moe.eplb) decides which expert each "
+                "physical slot holds; leave expert_map None"
+            )
+
+    def num_physical_experts(self, num_experts: int) -> int:
+        """``E + num_redundant_experts``: the expert slots over all ranks (E when there are no replicas)."""
+        return num_experts + self.num_redundant_experts
 
     @property
     def enabled(self) -> bool:
         return self.ep_size > 1 or self.expert_map is not None
 
     def global_to_local(self, num_experts: int) -> list[int]:
-        """The expert map as a list of E ints: global id -> local id, or -1 (not on this rank)."""
+        """The expert map as a list of E ints: global id -> local id, or -1 (not on this rank).
+
+        With redundant experts the ids are physical: ``E + num_redundant_experts`` entries."""
         if self.expert_map is not None:
             if len(self.expert_map) != num_experts:
                 raise MoEConfigError(
                     f"expert_map has {len(self.expert_map)} entries but num_experts={num_experts}"
                 )
             return list(self.expert_map)
-        if num_experts % self.ep_size:
+        slots = self.num_physical_experts(num_experts)
+        if self.num_redundant_experts:
+            self._check_replicas_fit(num_experts)
+        elif num_experts % self.ep_size:
             raise MoEConfigError(
                 f"num_experts={num_experts} must be divisible by ep_size={self.ep_size} "
                 "for the default contiguous sharding; pass an explicit expert_map otherwise"
             )
-        per_rank = num_experts // self.ep_size
+        per_rank = slots // self.ep_size
         first = self.ep_rank * per_rank
-        return [e - first if first <= e < first + per_rank else -1 for e in range(num_experts)]
+        return [e - first if first <= e < first + per_rank else -1 for e in range(slots)]
+
+    def _check_replicas_fit(self, num_experts: int) -> None:
+        slots, n, ep = self.num_physical_experts(num_experts), self.num_redundant_experts, self.ep_size
+        if slots % ep:
+            fits = n + (-slots) % ep
+            raise MoEConfigError(
+                f"num_experts + num_redundant_experts = {num_experts} + {n} = {slots} physical experts must be "
+                f"divisible by ep_size={ep} (each rank holds as many); e.g. num_redundant_experts={fits}"
+            )
+        if n > num_experts * (ep - 1):
+            raise MoEConfigError(
+                f"num_redundant_experts={n} exceeds num_experts x (ep_size - 1) = {num_experts * (ep - 1)}: an "
+                "expert has at most one replica per rank (two on one rank would not spread its load)"
+            )
 
     def global_to_local_tensor(self, num_experts: int, device: torch.device | str) -> torch.Tensor:
         """``global_to_local`` as int32 ``[E]`` on ``device``. Build it once, at load, and index it with the
@@ -193,6 +238,15 @@ class MoEProblem:
         # read on every forward by some backends; counting the map each time cost tens of microseconds at E=128
         return self.parallel.local_num_experts(self.num_experts)
 
+    def physical(self) -> "MoEProblem":
+        """The problem the kernels solve: with redundant experts (EPLB), ``E + N`` physical experts, each
+        on one rank, and no replicas left to resolve (top-k ids are physical ids, `moe.eplb`); else self."""
+        if not self.parallel.num_redundant_experts:
+            return self
+        slots = self.parallel.num_physical_experts(self.num_experts)
+        parallel = dataclasses.replace(self.parallel, num_redundant_experts=0)
+        return dataclasses.replace(self, num_experts=slots, parallel=parallel)
+
     @property
     def w13_rows(self) -> int:
         return self.activation.w13_rows(self.intermediate_size)
@@ -208,7 +262,9 @@ class MoEProblem:
     def sizes(self) -> str:
         """The sizes that error messages quote: ``"E=8, k=2, H=4096, I=14336"`` (and the local E under EP)."""
         experts = f"E={self.num_experts}"
-        if self.parallel.enabled:
+        if self.parallel.num_redundant_experts:
+            experts += f" (+{self.parallel.num_redundant_experts} redundant, {self.local_num_experts} physical on this rank)"
+        elif self.parallel.enabled:
             experts += f" ({self.local_num_experts} on this rank)"
         return f"{experts}, k={self.top_k}, H={self.hidden_size}, I={self.intermediate_size}"
 

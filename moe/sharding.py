@@ -33,6 +33,11 @@ def shard_weights(weights: ExpertWeights, problem: MoEProblem) -> ExpertWeights:
     """
     if not isinstance(weights, ExpertWeights):
         raise MoEConfigError(f"weights: expected ExpertWeights (got {type(weights).__name__})")
+    if problem.parallel.num_redundant_experts:
+        raise MoEConfigError(
+            f"shard_weights cuts fixed shards; with num_redundant_experts={problem.parallel.num_redundant_experts} "
+            "a rank's slots follow the EPLB placement: load the full weights into FusedMoE (moe.eplb)"
+        )
     if weights.num_experts != problem.num_experts:
         raise MoEConfigError(
             f"shard_weights takes the full weights of all E={problem.num_experts} experts "

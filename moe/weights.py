@@ -164,7 +164,7 @@ class ExpertWeights:
 
     def to(self, device: "torch.device | str") -> "ExpertWeights":
         """The same weights on ``device``."""
-        return self._map(lambda t: t.to(device))
+        return self.map_tensors(lambda t: t.to(device))
 
     def select_experts(self, expert_ids: Sequence[int]) -> "ExpertWeights":
         """The experts ``expert_ids`` (local indices, in that order, no repeats) as new weights."""
@@ -179,9 +179,10 @@ class ExpertWeights:
             raise MoEConfigError(f"expert_ids: each expert may be selected once (got {ids})")
         index = torch.tensor(ids, dtype=torch.long, device=self.device)
         # Every tensor of a weight starts with the expert dimension, scales included.
-        return self._map(lambda t: t.index_select(0, index))
+        return self.map_tensors(lambda t: t.index_select(0, index))
 
-    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "ExpertWeights":
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "ExpertWeights":
+        """New weights with ``fn`` applied to every tensor present (data, scales, global scales, biases)."""
         def on(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else fn(t)
 

@@ -1,5 +1,5 @@
-"""Shared test fixtures: seeded randomness, a tuning cache per test, and `gpu` tests skipped where there
-is no CUDA."""
+"""Shared test fixtures: seeded randomness, a tuning cache per test, fresh torch.compile state where asked,
+and `gpu` tests skipped where there is no CUDA."""
 
 import pytest
 import torch
@@ -23,3 +23,15 @@ def _seed():
 def _tuning_cache(tmp_path_factory, monkeypatch):
     """Each test's own tuning cache (``MOE_CACHE_DIR``): none reads or writes the user's ~/.cache/moe."""
     monkeypatch.setenv("MOE_CACHE_DIR", str(tmp_path_factory.mktemp("moe-cache")))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """torch.compile's caches and counters emptied before and after a test (its graph counts are its own)."""
+    import torch._dynamo  # only the compile tests use it
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()

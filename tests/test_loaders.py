@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe.errors import MoEConfigError
-from moe.loaders import LAYOUTS, load_experts, requantize
+from moe.loaders import LAYOUTS, load_experts, requantize, to_layout
 from moe.problem import MoEProblem
 from moe.quant import QuantFormat
 
@@ -244,7 +244,8 @@ def test_unknown_layout_lists_the_layouts():
     message = r"unknown checkpoint layout 'llama4'; choose one of \('qwen3'"
     with pytest.raises(MoEConfigError, match=message):
         load_experts({}, "llama4", num_experts=E)
-    assert LAYOUTS == ("qwen3", "deepseek", "mixtral", "gpt_oss")
+    assert LAYOUTS == ("qwen3", "deepseek", "mixtral", "gpt_oss", "nemotron_h", "transformers_fused",
+                       "transformers_fused_transposed")
 
 
 @pytest.mark.parametrize("num_experts", [0, -1, 2.0, True])
@@ -411,3 +412,53 @@ def test_requantize_bf16_to_fp8_and_to_fp32():
         assert float((got - want).norm() / want.norm()) <= 1 / 16
     fp32 = requantize(bf16, "fp32")
     assert fp32.w13.data.dtype == torch.float32 and torch.equal(fp32.w13.data, bf16.w13.data.float())
+
+
+# --- transformers' layouts: nemotron_h as saved, the fused forms as held in memory ------------------------
+def test_nemotron_h_loads_non_gated_up_and_down():
+    up, down = randn(E, I, H, seed=1), randn(E, H, I, seed=2)
+    prefix = "backbone.layers.0.mixer."
+    tensors = {f"{prefix}experts.{e}.{n}.weight": t[e].clone() for e in range(E) for n, t in (("up_proj", up),
+                                                                                              ("down_proj", down))}
+    weights = load_experts(tensors, "nemotron_h", num_experts=E, prefix=prefix)
+    assert torch.equal(weights.w13.data, up) and torch.equal(weights.w2.data, down)  # w13 [E, I, H]: non-gated
+    with pytest.raises(MoEConfigError, match="keys look like the 'nemotron_h' layout"):
+        load_experts(tensors, "qwen3", num_experts=E, prefix=prefix)
+
+
+def test_transformers_fused_is_the_canonical_layout_without_a_copy():
+    gate_up, down = randn(E, 2 * I, H, seed=1), randn(E, H, I, seed=2)
+    tensors = {"mlp.experts.gate_up_proj": gate_up, "mlp.experts.down_proj": down}
+    weights = load_experts(tensors, "transformers_fused", num_experts=E, prefix="mlp.")
+    assert weights.w13.data.data_ptr() == gate_up.data_ptr() and weights.w2.data.data_ptr() == down.data_ptr()
+    assert weights.b13 is None and weights.b2 is None
+    non_gated = load_experts({"experts.up_proj": gate_up[:, :I].contiguous(), "experts.down_proj": down},
+                             "transformers_fused", num_experts=E)
+    assert torch.equal(non_gated.w13.data, gate_up[:, :I])
+    with pytest.raises(MoEConfigError, match=r"'experts.down_proj': expected shape \[E, H, I\]"):
+        load_experts({"experts.gate_up_proj": gate_up, "experts.down_proj": down.transpose(1, 2)},
+                     "transformers_fused", num_experts=E)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_transformers_fused_transposed_deinterleaves_and_writes_back(with_bias):
+    gate, up, w2 = randn(E, I, H, seed=1), randn(E, I, H, seed=2), randn(E, H, I, seed=3)
+    bias_gate, bias_up, b2 = randn(E, I, seed=4), randn(E, I, seed=5), randn(E, H, seed=6)
+    tensors = gpt_oss_bf16_checkpoint(gate, up, w2, bias_gate, bias_up, b2, prefix="")
+    if not with_bias:
+        tensors = {k: v for k, v in tensors.items() if not k.endswith("_bias")}
+    weights = load_experts(tensors, "transformers_fused_transposed", num_experts=E)
+    assert torch.equal(weights.w13.data, canonical_w13(gate, up)) and torch.equal(weights.w2.data, w2)
+    assert (weights.b13 is not None) is with_bias
+    back = to_layout(weights, "transformers_fused_transposed", dtype=torch.bfloat16)
+    assert back.keys() == tensors.keys()
+    assert all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+def test_to_layout_names_the_layouts_it_writes():
+    weights = load_experts({"experts.up_proj": randn(E, I, H, seed=1), "experts.down_proj": randn(E, H, I, seed=2)},
+                           "transformers_fused", num_experts=E)
+    assert set(to_layout(weights, "transformers_fused", dtype=torch.float32)) == {"experts.up_proj",
+                                                                                   "experts.down_proj"}
+    with pytest.raises(MoEConfigError, match="to_layout writes"):
+        to_layout(weights, "mixtral", dtype=torch.float32)

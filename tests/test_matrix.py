@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe import ModularKernel, Platform
-from moe.experts.reference import ReferenceExperts
+from moe.experts.reference import ReferenceExperts, reference_for
 from moe.compose import composition_problems
 from moe.prepare_finalize import LocalPrepareFinalize
 from moe.quant import QuantFormat
@@ -68,7 +68,7 @@ def test_matrix_is_not_empty():
 def test_pair_matches_reference(pf_name, experts_name, problem):
     pf_cls, ex_cls = prepare_finalize_classes()[pf_name], experts_classes()[experts_name]
     kernel = ModularKernel(pf_cls(problem), ex_cls(problem))
-    truth = ModularKernel(LocalPrepareFinalize(problem), ReferenceExperts(problem))
+    truth = ModularKernel(LocalPrepareFinalize(problem), reference_for(ex_cls, problem, PLATFORM)(problem))
     weights = random_weights(problem)
     kernel.load(weights), truth.load(weights)
     for m in TOKENS:

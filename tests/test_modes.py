@@ -13,6 +13,7 @@ from moe.activation import ActivationKind
 from moe.experts import FlashInferCutlassExperts, FlashInferTrtllmExperts, TritonExperts
 from moe.experts.base import Archs, Capabilities, ExpertLayout, Mode
 from moe.formats import ActivationFormat, OutputKind
+from moe.quant import QuantFormat
 from moe.registry import experts_classes
 from moe.testing import check_experts, exclusion_cases, experts_cases
 from moe.testing.conformance import run_exclusion_case
@@ -76,12 +77,22 @@ def test_an_unnamed_mode_reports_only_what_the_union_does_not():
     assert TwoModes.check(problem("bf16", activation="gelu", has_bias=True, hidden_size=96), None) == []
 
 
-def test_triton_fp8_needs_sm89_as_mode_data():
-    assert TritonExperts.capabilities.modes[FP8].archs == Archs.from_sm(89)
+def test_triton_fp8_runs_weight_only_below_sm89_as_mode_data():
+    from moe.experts import TritonBatchedExperts
+
+    mode = TritonExperts.capabilities.modes[FP8]
+    assert mode.archs == Archs.from_sm(80) and mode.weight_only == Archs.exactly(80, 86, 87)
+    assert TritonBatchedExperts.capabilities.modes[FP8].archs == Archs.from_sm(89)  # no weight-only path
+    a100, h100 = (Platform(name=n, device="cuda", capability=c) for n, c in (("a100", (8, 0)), ("h100", (9, 0))))
+    assert mode.activation_format(FP8, a100) is QuantFormat.NONE
+    assert mode.activation_format(FP8, h100) is FP8.activation and mode.activation_format(FP8, None) is FP8.activation
+    nvfp4 = QuantScheme.from_name("nvfp4")
+    assert TritonExperts.capabilities.modes[nvfp4].activation_format(nvfp4, None) is QuantFormat.NONE
     a100, h100 = Platform.preset("a100"), Platform.preset("h100")
-    assert TritonExperts.check(problem("fp8_token"), a100) == [
+    assert TritonBatchedExperts.check(problem("fp8_token"), a100) == [
         "fp8 (fp8_token) needs SM89 or newer for e4m3 tensor cores (got SM80); use bf16 or mxfp4 weights"]
-    assert TritonExperts.check(problem("fp8_token"), h100) == [] and TritonExperts.check(problem("bf16"), a100) == []
+    assert TritonExperts.check(problem("fp8_token"), a100) == [] == TritonExperts.check(problem("fp8_token"), h100)
+    assert TritonExperts.check(problem("bf16"), a100) == []
 
 
 def test_expert_layouts_are_declared():
@@ -119,9 +130,14 @@ def test_exclusions_are_generated_per_mode():
     excluded = {c.excluded for c in exclusion_cases(FlashInferTrtllmExperts.capabilities, "quick")}
     assert {"biases with unquantized", "activation gelu with fp8", "scattered expert maps"} <= excluded
     assert "hidden_size=130 (not a multiple of 128) with fp8_block" in excluded
+    from moe.experts import TritonBatchedExperts
+
+    batched = {c.excluded: c for c in exclusion_cases(TritonBatchedExperts.capabilities, "quick")}
+    arch = batched["a100 (SM80) with fp8"]  # the standard-format triton serves it weight-only instead
+    assert arch.platform.name == "a100" and not run_exclusion_case(TritonBatchedExperts, arch).failures
     triton = {c.excluded: c for c in exclusion_cases(TritonExperts.capabilities, "quick")}
-    arch = triton["a100 (SM80) with fp8"]
-    assert arch.platform.name == "a100" and not run_exclusion_case(TritonExperts, arch).failures
+    misaligned = triton["hidden_size=48 (not a multiple of 32) with nvfp4"]  # storable (16s), not split in 32s
+    assert not run_exclusion_case(TritonExperts, misaligned).failures
 
 
 # --- a wrong mode declaration is a failure, not a skip --------------------------------------------------

@@ -82,7 +82,7 @@ def test_efficiency_interpolates_in_log2_tokens_and_holds_beyond_the_points():
 def test_builtin_profile_names_only_stable_backend_names():
     stable = {"reference", "torch_grouped", "triton", "triton_batched", "flashinfer_cutlass", "flashinfer_trtllm",
               "flashinfer_cutedsl", "flashinfer_cutedsl_batched", "local", "batched", "all_to_all",
-              "all_to_all_batched", "flashinfer_a2a"}
+              "all_to_all_batched", "flashinfer_a2a", "shared_experts"}
     assert {e.backend for e in builtin_profile().entries} == stable
 
 

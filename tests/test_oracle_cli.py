@@ -44,7 +44,8 @@ def test_json_is_exactly_one_object(capsys, backends):
     assert data["platform"] == "b200" and isinstance(data["workspace_bytes"], int) and data["workspace_bytes"] > 0
     assert [row["tokens"] for row in data["plan"]] == [[1, 1], [2, 64]]
     for row in data["plan"]:
-        assert set(row) == {"tokens", "experts", "prepare_finalize", "estimated_us", "slow_path"}
+        assert set(row) == {"tokens", "experts", "prepare_finalize", "estimated_us", "slow_path", "shared_us", "layer_us"}
+        assert row["layer_us"] > row["estimated_us"] and row["shared_us"] > 0  # deepseek-v3's shared expert
         assert row["slow_path"] is False
         assert row["experts"].startswith("flashinfer_") and row["prepare_finalize"] == "local"
     assert any("quant nvfp4" in r for r in data["rejected"]["torch_grouped"])
@@ -57,7 +58,8 @@ def test_explain_on_h100_says_why_each_flashinfer_nvfp4_backend_is_rejected(caps
     for name in ("flashinfer_cutlass", "flashinfer_trtllm", "flashinfer_cutedsl"):
         block = re.search(rf"^  experts\s+{name}\s+rejected:\n((?:      - .*\n?)+)", out, re.M)
         assert block and "SM100" in block.group(1), name
-    assert re.search(r"^1\s+local \+ reference", out, re.M)
+    assert re.search(r"^1\s+local \+ triton", out, re.M)  # weight-only: activations stay bf16
+    assert re.search(r"M=1: roofline .*bf16\); triton", out)  # costed at the bf16 rate, not fp4
 
 
 def test_without_flashinfer_and_without_triton(capsys, backends):
@@ -180,10 +182,10 @@ def test_json_mode_errors_are_one_json_object(capsys, argv, kind, says, json_fla
 
 
 def test_explain_warns_when_only_reference_serves_a_gpu(capsys):
-    assert main(["plan", "--platform", "h100", "--preset", "deepseek-v3", "--quant", "nvfp4",
+    assert main(["plan", "--platform", "h100", "--preset", "deepseek-v3", "--quant", "mxfp8",
                  "--activation", "silu", "--explain"]) == 0
     out = capsys.readouterr().out
-    assert "slow path: no kernel serves nvfp4 on h100" in out and "SLOW PATH" in out
+    assert "slow path: no kernel serves mxfp8 on h100" in out and "SLOW PATH" in out
     assert main(["plan", "--platform", "b200", "--preset", "deepseek-v3", "--quant", "nvfp4",
                  "--activation", "silu", "--explain"]) == 0
     out = capsys.readouterr().out

@@ -74,18 +74,19 @@ def _v(*names: str) -> frozenset[str]:
     return frozenset(names)
 
 
-NVFP4_NOT_TRITON = {"triton": "quant nvfp4", "triton_batched": "quant nvfp4", "torch_grouped": "quant nvfp4"}
+# Triton serves nvfp4 weight-only (activations unquantized) on SM80+; its batched twin does not
+NVFP4_NOT_SERVED = {"triton_batched": "quant nvfp4", "torch_grouped": "quant nvfp4"}
 CASES = [
-    # --- NVFP4: trtllm-gen and CuteDSL need SM100/SM103; CUTLASS needs SM100+ -------------------
+    # --- NVFP4: trtllm-gen and CuteDSL need SM100/SM103; CUTLASS needs SM100+; Triton weight-only ------
     Case("b200-deepseek-nvfp4", "b200", "deepseek-v3", "nvfp4", "silu",
-         viable=_v("flashinfer_trtllm", "flashinfer_cutlass", "flashinfer_cutedsl", "reference"),
-         rejected=NVFP4_NOT_TRITON, chosen="flashinfer_*"),
+         viable=_v("flashinfer_trtllm", "flashinfer_cutlass", "flashinfer_cutedsl", "triton", "reference"),
+         rejected=NVFP4_NOT_SERVED, chosen="flashinfer_*"),
     Case("gb200-deepseek-nvfp4", "gb200", "deepseek-v3", "nvfp4", "silu",
          viable=_v("flashinfer_trtllm", "flashinfer_cutlass", "flashinfer_cutedsl"), chosen="flashinfer_*"),
-    Case("h100-deepseek-nvfp4", "h100", "deepseek-v3", "nvfp4", "silu", viable=_v("reference"),
+    Case("h100-deepseek-nvfp4", "h100", "deepseek-v3", "nvfp4", "silu", viable=_v("triton", "reference"),
          rejected={"flashinfer_trtllm": "SM100", "flashinfer_cutedsl": "SM100", "flashinfer_cutlass": "SM100",
-                   "flashinfer_cutedsl_batched": "SM100", **NVFP4_NOT_TRITON},
-         chosen="reference"),
+                   "flashinfer_cutedsl_batched": "SM100", **NVFP4_NOT_SERVED},
+         chosen="triton"),
     Case("rtx6000-deepseek-nvfp4", "rtx-pro-6000", "deepseek-v3", "nvfp4", "silu",
          viable=_v("flashinfer_cutlass", "reference"),
          rejected={"flashinfer_trtllm": "SM10[03]", "flashinfer_cutedsl": "SM10[03]"}, chosen="flashinfer_cutlass"),
@@ -100,8 +101,8 @@ CASES = [
     Case("h100-unaligned-fp8block", "h100", dict(num_experts=128, top_k=4, hidden_size=2880, intermediate_size=2880),
          "fp8_block", "silu", viable=_v("triton"),
          rejected={"flashinfer_cutlass": "hidden_size must be a multiple of 128"}),
-    Case("a100-deepseek-fp8block", "a100", "deepseek-v3", "fp8_block", "silu", viable=_v("reference"),
-         rejected={"triton": "SM89", "flashinfer_cutlass": "SM90"}, chosen="reference"),
+    Case("a100-deepseek-fp8block", "a100", "deepseek-v3", "fp8_block", "silu", viable=_v("triton", "reference"),
+         rejected={"triton_batched": "SM89", "flashinfer_cutlass": "SM90"}, chosen="triton"),  # weight-only
     # --- MXFP4 W4A16: CUTLASS exactly SM90, H and I padded to 128 ---------------------------------
     Case("h100-gptoss-mxfp4", "h100", "gpt-oss-120b", "mxfp4",
          viable=_v("flashinfer_cutlass", "triton", "reference"), rejected={"flashinfer_trtllm": "SM100"}),
@@ -120,7 +121,7 @@ CASES = [
          chosen="triton"),
     # --- libraries removed ---------------------------------------------------------------------------
     Case("b200-nofi-deepseek-nvfp4", "b200", "deepseek-v3", "nvfp4", "silu", remove=("flashinfer",),
-         viable=_v("reference"), chosen="reference",
+         viable=_v("triton", "reference"), chosen="triton",
          rejected={"flashinfer_trtllm": "needs library 'flashinfer'", "flashinfer_cutlass": "needs library 'flashinfer'",
                    "flashinfer_cutedsl": "needs library 'flashinfer'"}),
     Case("h100-notriton-qwen3-bf16", "h100", "qwen3-30b-a3b", "bf16", "silu", remove=("triton",),
@@ -178,7 +179,7 @@ def _plan(case: Case, policy: Policy | None = None):
 
 
 def _from_profile(name: str, problem: MoEProblem, platform: Platform, tokens: int, roofline_us: float,
-                  profile) -> float:
+                  profile, activation=None) -> float:
     """``overhead + roofline / efficiency`` from the profile's points, interpolated in log2 M here.
 
     A measured point (the shipped H200 measurements) counts as the efficiency it reached on its own
@@ -194,7 +195,8 @@ def _from_profile(name: str, problem: MoEProblem, platform: Platform, tokens: in
     def measured_on(point) -> Platform:
         return platform if point.platform == platform.kind else Platform.preset(point.platform)
 
-    effs = [(roofline(p.shape.problem(p.quant, max(p.tokens, 1)), measured_on(p), p.tokens).us / p.measured_us, 0.0)
+    effs = [(roofline(p.shape.problem(p.quant, max(p.tokens, 1)), measured_on(p), p.tokens, activation=activation).us
+             / p.measured_us, 0.0)
             if p.measured else (p.efficiency, p.overhead_us) for p in points]
     xs = [math.log2(p.tokens) for p in points]
     x = min(max(math.log2(tokens), xs[0]), xs[-1])
@@ -211,7 +213,10 @@ def expected_pair_us(pair, problem: MoEProblem, platform: Platform, tokens: int,
     experts_cls = experts_classes()[pair.experts]
     pf_cls = prepare_finalize_classes()[pair.prepare_finalize]
     quantizes = problem.quant.activation is not QuantFormat.NONE and not experts_cls.capabilities.quantizes_input
-    experts = _from_profile(pair.experts, problem, platform, tokens, roofline(problem, platform, tokens).us, profile)
+    # a weight-only mode reads unquantized activations: its roofline counts them at the dtype's width and rate
+    computes = experts_cls.capabilities.modes[problem.quant].activation_format(problem.quant, platform)
+    experts = _from_profile(pair.experts, problem, platform, tokens,
+                            roofline(problem, platform, tokens, activation=computes).us, profile, computes)
     moved = transport_us(pf_cls.format, quantizes, problem, platform, tokens)
     return experts + _from_profile(pair.prepare_finalize, problem, platform, tokens, moved, profile)
 

@@ -20,7 +20,7 @@ SHELL_LINES = [line.split("#")[0].strip() for block in re.findall(r"```sh\n(.*?)
 
 
 def test_the_readme_has_the_examples_this_test_checks():
-    assert len(PYTHON_BLOCKS) == 2
+    assert len(PYTHON_BLOCKS) == 3
     assert any(line.startswith("python -m moe plan") for line in SHELL_LINES)
 
 
@@ -60,6 +60,14 @@ def test_the_composition_example_matches_a_hand_written_loop():
             gate, up = (w13[e] @ hidden[t]).chunk(2)
             expected[t] += w * (w2[e] @ (torch.nn.functional.silu(gate) * up))
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_transformers_example_matches_eager():
+    pytest.importorskip("transformers")
+    namespace: dict = {}
+    exec(PYTHON_BLOCKS[2], namespace)  # noqa: S102
+    assert namespace["model"].config._experts_implementation == "moe"
+    torch.testing.assert_close(namespace["patched"], namespace["eager"], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("line", [line for line in SHELL_LINES if line.startswith(("python -m moe plan",

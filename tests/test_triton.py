@@ -40,7 +40,7 @@ from moe.experts._triton.gemm import (  # noqa: E402
     grouped_gemm_reference,
 )
 from moe.errors import MoEConfigError  # noqa: E402
-from moe.experts._triton.support import config_key  # noqa: E402
+from moe.experts._triton.support import activation_format, config_key  # noqa: E402
 from moe.experts._triton.weights import WeightOperand  # noqa: E402
 from moe.experts._triton.weights import (  # noqa: E402
     mxfp4_half_split,
@@ -359,19 +359,22 @@ def test_grouped_gemm_matches_its_torch_twin(dtype, kind, activation):
 # --- declarations and configs ---------------------------------------------------------------------
 
 
-def test_fp8_needs_sm89():
+def test_fp8_runs_weight_only_below_sm89():
+    """An A100 has no fp8 tensor cores: the standard experts serve fp8 there weight-only (activations
+    unquantized); the batched experts, which have no weight-only path, still need SM89."""
     p = make_problem("fp8")
     a100 = Platform(name="a100", device="cuda", capability=(8, 0), libraries=frozenset({"triton"}))
     h100 = Platform(name="h100", device="cuda", capability=(9, 0), libraries=frozenset({"triton"}))
-    assert any("SM89" in r for r in TritonExperts.check(p, a100))
-    assert TritonExperts.check(p, h100) == []
+    assert TritonExperts.check(p, a100) == [] and TritonExperts.check(p, h100) == []
+    assert activation_format(p, a100) is QuantFormat.NONE and activation_format(p, h100) is QuantFormat.FP8_TENSOR
+    assert any("SM89" in r for r in TritonBatchedExperts.check(p, a100))
     assert TritonExperts.check(make_problem("fp16"), a100) == []
 
 
 def test_rejects_unsupported_schemes_with_reasons():
-    p = make_problem("nvfp4")
+    p = make_problem("mxfp8")
     reasons = TritonExperts.check(p, None)
-    assert any("nvfp4" in r for r in reasons)
+    assert any("mxfp8" in r for r in reasons)
 
 
 def test_config_lookup_and_roundtrip(tmp_path):

@@ -9,6 +9,11 @@ kernel needs, the name its reasons give it, and (for backends that keep one) the
 
 says: this scheme runs on SM90 exactly; H and I must be multiples of 128, and the backend zero-pads them.
 A class that serves several schemes alike declares them in one line: ``Mode().serving("bf16", "fp8")``.
+
+A **weight-only** mode keeps the activations unquantized where its ``weight_only`` archs say (the kernel
+dequantizes the weights in registers and multiplies at the activations' dtype, e.g. fp8 weights on an
+A100, which has no fp8 tensor cores): more accurate than the scheme's quantized activations, and costed
+at the dtype's rate (``activation_format``). ``Mode(weight_only=Archs())`` is weight-only everywhere.
 """
 
 from __future__ import annotations
@@ -89,10 +94,22 @@ class Mode:
     name: str = ""
     arch_reason: str = "{name} for this quantization needs {archs} (got {got})"  # also {scheme}
     strategy: Any = field(default=None, compare=False, repr=False)  # the backend's code for this scheme
+    # where the kernel keeps activations unquantized (weight-only; see the module docstring); None: nowhere.
+    # Archs() (any) holds off CUDA too, in Triton's CPU interpreter
+    weight_only: Archs | None = None
 
     def serving(self, *schemes: QuantScheme | str | tuple[QuantFormat, QuantFormat]) -> dict[QuantScheme, Mode]:
         """This mode for each of ``schemes`` (QuantScheme, name or (weight, activation) pair)."""
         return {scheme_of(s): self for s in schemes}
+
+    def activation_format(self, scheme: QuantScheme, platform: Platform | None) -> QuantFormat:
+        """The format the kernel reads activations in on ``platform``: the scheme's, or NONE where this mode
+        runs weight-only. ``platform=None`` (no GPU known yet): NONE only for a mode weight-only everywhere."""
+        if self.weight_only is None:
+            return scheme.activation
+        arch = cuda_arch(platform)
+        everywhere = self.weight_only == Archs()
+        return QuantFormat.NONE if everywhere or (arch is not None and arch in self.weight_only) else scheme.activation
 
     def intermediate_align(self, gated: bool) -> int:
         return self.i_align if gated or self.i_align_nongated is None else self.i_align_nongated
@@ -120,8 +137,8 @@ class Mode:
             allowed = ", ".join(sorted(str(d) for d in self.dtypes))
             reasons.append(f"{name} runs {allowed} activations for this quantization, not {problem.dtype}")
         reasons += self._misaligned(problem, name)
-        if platform is not None and platform.is_cuda and platform.capability is not None:
-            arch = platform.capability[0] * 10 + platform.capability[1]
+        arch = cuda_arch(platform)
+        if arch is not None:
             if arch not in self.archs and report(not union.capability_reasons(platform.capability)):
                 reasons.append(self.arch_reason.format(name=name, archs=self.archs, got=f"SM{arch}",
                                                        scheme=problem.quant.name))
@@ -143,6 +160,13 @@ class Mode:
                 reasons.append(f"{dim} must be a multiple of {multiple} for {name} (got {value}); "
                                "pad the weights or use another backend")
         return reasons
+
+
+def cuda_arch(platform: Platform | None) -> int | None:
+    """``platform``'s compute capability as ``major * 10 + minor`` (SM90: 90); None off CUDA or unknown."""
+    if platform is None or not platform.is_cuda or platform.capability is None:
+        return None
+    return platform.capability[0] * 10 + platform.capability[1]
 
 
 def round_up(value: int, multiple: int) -> int:

@@ -3,17 +3,19 @@
 Every other backend is tested against this one. It serves every scheme, activation and format, biases
 and expert maps, on any device -- slowly. It mimics the one rounding step real kernels share: when the
 scheme quantizes activations, the intermediate activation (the second GEMM's input) is quantized and
-dequantized with the same format before ``w2``.
+dequantized with the same format before ``w2``. Its twin `WeightOnlyReferenceExperts` is the truth of
+weight-only modes (`Mode.weight_only`), which keep the activations unquantized; `reference_for` picks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from moe.experts.base import Capabilities, Experts, Mode
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
+from moe.platform import Platform
 from moe.problem import MoEProblem
 from moe.quant import QuantFormat, QuantizedTensor, dequantize, quantize
 from moe.quant.scheme import SCHEME_PAIRS
@@ -110,6 +112,11 @@ class ReferenceExperts(Experts):
         out.reshape(-1, p.hidden_size)[rows] = self._compute(x, experts, weights)
         return ExpertsOutput(OutputKind.PER_SLOT, out)
 
+    @property
+    def intermediate_format(self) -> QuantFormat:
+        """The format the intermediate is rounded through before ``w2``: the scheme's activations'."""
+        return self.problem.quant.activation
+
     def _compute(self, x: torch.Tensor, experts: torch.Tensor, w: DenseWeights) -> torch.Tensor:
         """Both GEMMs for rows ``x [n, H]`` routed to local ``experts [n]``; float32 ``[n, H]``.
 
@@ -123,10 +130,33 @@ class ReferenceExperts(Experts):
             if w.b13 is not None:
                 h = h + w.b13[e]
             a[rows] = self.problem.activation(h)
-        a = fake_quantize(a, self.problem.quant.activation)
+        a = fake_quantize(a, self.intermediate_format)
         y = x.new_empty(x.shape[0], self.problem.hidden_size)
         for e, rows in groups:
             y[rows] = a[rows] @ w.w2[e].T
             if w.b2 is not None:
                 y[rows] += w.b2[e]
         return y
+
+
+class WeightOnlyReferenceExperts(ReferenceExperts):
+    """``reference`` as a weight-only mode computes: the scheme's weights, dequantized, with activations
+    never quantized (neither the input, which prepare leaves alone, nor the intermediate). The truth of a
+    backend whose mode runs weight-only on the platform (`reference_for`); not registered."""
+
+    name = "reference_weight_only"
+    capabilities = replace(ReferenceExperts.capabilities, quantizes_input=True)  # prepare: no quantization
+
+    @property
+    def intermediate_format(self) -> QuantFormat:
+        return QuantFormat.NONE
+
+
+def reference_for(experts_cls: type[Experts], problem: MoEProblem, platform: Platform | None) -> type[ReferenceExperts]:
+    """The reference class ``experts_cls`` is held to for ``problem`` on ``platform``: the weight-only twin
+    where its mode keeps quantized-scheme activations unquantized there, else ``ReferenceExperts``."""
+    mode = experts_cls.capabilities.modes.get(problem.quant)
+    if mode is None or problem.quant.activation is QuantFormat.NONE:
+        return ReferenceExperts
+    weight_only = mode.activation_format(problem.quant, platform) is QuantFormat.NONE
+    return WeightOnlyReferenceExperts if weight_only else ReferenceExperts

@@ -13,11 +13,17 @@ One forward, all on the GPU, no host sync, CUDA-graph capturable (shapes depend 
     combine    out[token] = sum_j topk_weights[token, j] * y[token*k + j]     (_triton/rows.py)
 
 Schemes: bf16/fp16/fp32, fp8 e4m3 W8A8 per tensor / per token+channel / 128-block, and MXFP4
-weights with unquantized activations (W4A16, dequantized tile by tile inside the GEMM). Launch
-configs come from tuned tables (``python -m moe tune``) or a default (`_triton/config.py`).
+weights with unquantized activations (W4A16, dequantized tile by tile inside the GEMM). Weight-only
+(`support.STANDARD_MODES`): NVFP4 weights with unquantized activations everywhere (the same
+in-register dequantization as MXFP4, e4m3 block scales and a global scale per expert), and fp8 weights
+with unquantized activations on GPUs without fp8 tensor cores (A100: e4m3 decoded to bf16 in registers,
+then the bf16 dot); activations are then never quantized, so the intermediate is not rounded to fp8.
+Launch configs come from tuned tables (``python -m moe tune``) or a default (`_triton/config.py`).
 """
 
 from __future__ import annotations
+
+import torch
 
 from moe.experts._triton.align import align_block_size
 from moe.experts._triton.align import workspace_buffers as align_buffers
@@ -28,6 +34,8 @@ from moe.experts._triton.gemm import DirectRows, SortedRows, grouped_gemm
 from moe.experts._triton.rows import RowValidity, combine_slots_kernel
 from moe.experts._triton.support import (
     COMMON_CAPABILITIES,
+    STANDARD_MODES,
+    activation_format,
     check_input,
     config_key,
     extra_reasons,
@@ -54,6 +62,7 @@ class TritonExperts(Experts):
         formats=frozenset({ActivationFormat.STANDARD}),
         output=OutputKind.REDUCED,
         quantizes_input=True,  # fp8 activations are quantized here, on the GPU, without a sync
+        modes=STANDARD_MODES,
         **COMMON_CAPABILITIES,
     )
 
@@ -70,7 +79,8 @@ class TritonExperts(Experts):
         p = self.problem
         table = ConfigTable.load(config_key(p, "standard", weights.device))
         expert_map = p.parallel.global_to_local(p.num_experts) if p.parallel.enabled else None
-        return prepare_triton_weights(weights, expert_map, table)
+        weight_only = p.quant.is_quantized and activation_format(p, gpu_of(weights.device)) is QuantFormat.NONE
+        return prepare_triton_weights(weights, expert_map, table, weight_only=weight_only)
 
     def prepared_sizes(self, weights: TritonWeights) -> tuple[int, int, int]:
         return triton_sizes(weights)
@@ -80,7 +90,7 @@ class TritonExperts(Experts):
         p = problem
         tokens = dispatch.max_rows
         slots = tokens * p.top_k
-        act = p.quant.activation
+        act = activation_format(p, None)  # an upper bound: fp8 buffers even where fp8 runs weight-only
         return WorkspaceShapes.of(
             out=((tokens, p.hidden_size), p.dtype),
             inter=((slots, p.intermediate_size), p.dtype),
@@ -115,18 +125,27 @@ class TritonExperts(Experts):
             rows1, rows2 = SortedRows(layout, slots, k), SortedRows(layout, slots, 1)
         # 2. first GEMM with the activation fused in
         x, x_scale = dispatched.x.data, dispatched.x.scale
+        act = QuantFormat.NONE if weights.weight_only else p.quant.activation
         if dispatched.x.fmt is QuantFormat.NONE:
-            x, x_scale = quantize_activation(x, p.quant.activation, "x", workspace, RowValidity())
+            x, x_scale = quantize_activation(x, act, "x", workspace, RowValidity())
         inter = workspace["inter"][:slots]
         grouped_gemm(x, x_scale, weights.w13, inter, rows1, p.activation, config.block_m, config.gemm1)
         # 3. second GEMM on the (quantized) intermediate, one row per slot
         here = RowValidity.slots_here(ids, weights.expert_map)
-        a2, a2_scale = quantize_activation(inter, p.quant.activation, "inter", workspace, here)
+        a2, a2_scale = quantize_activation(inter, act, "inter", workspace, here)
         y = workspace["y"][:slots]
         grouped_gemm(a2, a2_scale, weights.w2, y, rows2, None, config.block_m, config.gemm2)
         # 4. router weights and the sum over k
         combine_slots_kernel(y, dispatched.topk.weights, ids, weights.expert_map, out)
         return ExpertsOutput(OutputKind.REDUCED, out)
+
+
+def gpu_of(device: torch.device) -> Platform | None:
+    """The GPU ``device`` is, as far as the modes ask (its compute capability); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return Platform(name=torch.cuda.get_device_name(device), device="cuda",
+                    capability=torch.cuda.get_device_capability(device))
 
 
 def triton_sizes(weights: TritonWeights) -> tuple[int, int, int]:

@@ -14,6 +14,7 @@ from moe.experts._triton.gemm import BatchedRows, grouped_gemm
 from moe.experts._triton.rows import RowValidity
 from moe.experts._triton.support import (
     COMMON_CAPABILITIES,
+    MODES,
     check_input,
     config_key,
     extra_reasons,
@@ -42,6 +43,7 @@ class TritonBatchedExperts(Experts):
         formats=frozenset({ActivationFormat.BATCHED}),
         output=OutputKind.PER_SLOT,
         quantizes_input=False,  # the batched prepare quantizes rows as it scatters them
+        modes=MODES,
         **COMMON_CAPABILITIES,
     )
 

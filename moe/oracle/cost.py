@@ -18,8 +18,17 @@ intermediate row, and writes its output row. ``python -m moe bench`` divides thi
 its measured times ("% of roofline"), so its fractions and the efficiencies the oracle derives from
 measured profile points are one quantity.
 
+Shared experts (a dense MLP beside the routed ones) are costed as a one-expert, top-1 problem, whose
+roofline is a dense MLP's, with the ``shared_experts`` profile entry. On a GPU, up to
+``SHARED_OVERLAP_MAX_TOKENS`` tokens, they run on a second stream beside the routed part, so the layer
+takes ``max(routed, shared) + STREAM_FORK_JOIN_US``; above it, and on a CPU, they run first, so it takes
+the sum.
+
 The GEMM precision is the activations' format (fp8 -> "fp8", nvfp4 -> "fp4") or, with unquantized
-activations (W4A16, bf16), the dtype. The prepare/finalize half costs its profile's overhead plus the
+activations (W4A16, bf16), the dtype. A weight-only mode (`Mode.weight_only`: e.g. nvfp4 on an H100, fp8
+on an A100) reads the activations unquantized whatever the scheme says: the caller passes
+``activation=QuantFormat.NONE``, so its weights count at their quantized width and its input bytes and
+FLOPs at the dtype's. The prepare/finalize half costs its profile's overhead plus the
 bytes it moves: the batched format scatters and gathers every slot through memory, a prepare that
 quantizes activations reads and writes them once, and under expert parallelism each token crosses
 the interconnect once per remote rank owning any of its experts, and its result comes back.
@@ -50,6 +59,15 @@ _F = QuantFormat
 _WEIGHT_BITS = {_F.FP8_TENSOR: 8.0, _F.FP8_ROW: 8.0, _F.FP8_BLOCK: 8.0, _F.MXFP8: 8.25, _F.MXFP4: 4.25, _F.NVFP4: 4.5}
 _ACTIVATION_PRECISION = {_F.FP8_TENSOR: "fp8", _F.FP8_ROW: "fp8", _F.FP8_BLOCK: "fp8", _F.MXFP8: "fp8", _F.NVFP4: "fp4"}
 _DTYPE_PRECISION = {2: "bf16", 4: "fp32"}
+SHARED_EXPERTS = "shared_experts"  # the profile's name for the shared MLP (three dense GEMMs)
+# The fork and join of the second stream: two event records and two stream waits, each about a
+# microsecond of host time, and the first shared GEMM's launch queued behind the fork.
+STREAM_FORK_JOIN_US = 4.0
+# Up to this M the shared experts overlap the routed ones (FusedMoE does the same). Measured on an H100
+# (benchmarks/results/shared_overlap_nvidia-h100.md, DeepSeek-V3 EP8 slice + its shared expert): the
+# second stream saves 15-17 us at M = 1-64, nothing at 256 and 4096, and costs 446 us at 1024, where the
+# routed GEMMs already fill the GPU and the two streams' kernels contend for its SMs.
+SHARED_OVERLAP_MAX_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -94,18 +112,22 @@ def weight_bits(fmt: QuantFormat, dtype_bytes: int) -> float:
     return _WEIGHT_BITS.get(fmt, 8.0 * dtype_bytes)
 
 
-def gemm_precision(problem: MoEProblem) -> str:
-    act = problem.quant.activation
+def gemm_precision(problem: MoEProblem, activation: QuantFormat | None = None) -> str:
+    """The GEMMs' precision; ``activation``: the format the kernel reads activations in (default the scheme's)."""
+    act = problem.quant.activation if activation is None else activation
     if act is not _F.NONE:
         return _ACTIVATION_PRECISION[act]
     return "fp16" if problem.quant_name == "fp16" else _DTYPE_PRECISION[problem.dtype.itemsize]
 
 
-def roofline(problem: MoEProblem, platform: Platform, tokens: int, hits: float | None = None) -> Roofline:
+def roofline(problem: MoEProblem, platform: Platform, tokens: int, hits: float | None = None,
+             activation: QuantFormat | None = None) -> Roofline:
     """The roofline of one forward of ``tokens`` tokens on this rank (formulas in the module docstring).
 
     ``hits``: the number of local experts the routing hits, where it was measured (a benchmark's
     routing, averaged over its input sets); by default the number expected for random routing.
+    ``activation``: the format the kernel reads activations in, where it is not the scheme's (NONE for
+    a weight-only mode); by default the scheme's.
     Raises MoEConfigError for ``hits`` outside ``[0, local_num_experts]``.
     """
     p, dtype_bytes = problem, problem.dtype.itemsize
@@ -118,10 +140,11 @@ def roofline(problem: MoEProblem, platform: Platform, tokens: int, hits: float |
     slots = tokens * p.top_k
     weight_bytes = hit * (p.w13_rows * p.hidden_size + p.hidden_size * p.intermediate_size)
     weight_bytes *= weight_bits(p.quant.weight, dtype_bytes) / 8
-    in_bytes = weight_bits(p.quant.activation, dtype_bytes) / 8
+    act = p.quant.activation if activation is None else activation
+    in_bytes = weight_bits(act, dtype_bytes) / 8
     act_bytes = slots * (p.hidden_size * in_bytes + 2 * p.intermediate_size * dtype_bytes + p.hidden_size * dtype_bytes)
     flops = 2.0 * slots * p.hidden_size * (p.w13_rows + p.intermediate_size)
-    precision = gemm_precision(p)
+    precision = gemm_precision(p, act)
     return Roofline(
         tokens=tokens, experts_hit=hit, weight_bytes=weight_bytes, activation_bytes=act_bytes, flops=flops,
         precision=precision, memory_us=1e6 * (weight_bytes + act_bytes) / platform.memory_bandwidth,
@@ -130,20 +153,23 @@ def roofline(problem: MoEProblem, platform: Platform, tokens: int, hits: float |
 
 
 # --- efficiency from profile points -----------------------------------------------------------------
-def _point_efficiency(point: ProfileEntry, platform: Platform) -> tuple[float, float]:
+def _point_efficiency(point: ProfileEntry, platform: Platform, activation: QuantFormat | None) -> tuple[float, float]:
     """(efficiency, overhead_us) of one point; a measurement is divided into its own shape's roofline."""
     if not point.measured:
         return point.efficiency, point.overhead_us
     shape_problem = point.shape.problem(point.quant, max(point.tokens, 1))
-    efficiency = roofline(shape_problem, measured_on(point, platform), point.tokens).us / point.measured_us
+    efficiency = roofline(shape_problem, measured_on(point, platform), point.tokens,
+                          activation=activation).us / point.measured_us
     return efficiency, 0.0
 
 
-def efficiency_at(points: tuple[ProfileEntry, ...], platform: Platform, tokens: int) -> tuple[float, float]:
-    """(efficiency, overhead_us) at M=``tokens``: interpolated in log2(M) between points, held beyond them."""
+def efficiency_at(points: tuple[ProfileEntry, ...], platform: Platform, tokens: int,
+                  activation: QuantFormat | None = None) -> tuple[float, float]:
+    """(efficiency, overhead_us) at M=``tokens``: interpolated in log2(M) between points, held beyond them.
+    ``activation``: as for `roofline`, the format the measured backend read activations in."""
     if not points:
         return DEFAULT_EFFICIENCY, DEFAULT_OVERHEAD_US
-    values = [(point.tokens, *_point_efficiency(point, platform)) for point in points]
+    values = [(point.tokens, *_point_efficiency(point, platform, activation)) for point in points]
     if tokens <= values[0][0]:
         return values[0][1], values[0][2]
     for (t0, e0, o0), (t1, e1, o1) in zip(values, values[1:]):
@@ -154,17 +180,20 @@ def efficiency_at(points: tuple[ProfileEntry, ...], platform: Platform, tokens: 
 
 
 def _estimate(name: str, roofline_us: float, problem: MoEProblem, platform: Platform, tokens: int,
-              profile: Profile, peers: Iterable[str] = ()) -> Estimate:
+              profile: Profile, peers: Iterable[str] = (), activation: QuantFormat | None = None) -> Estimate:
     points, basis = profile.points(name, platform, problem.quant_name, ProfileShape.of(problem), peers)
-    efficiency, overhead = efficiency_at(points, platform, tokens)
+    efficiency, overhead = efficiency_at(points, platform, tokens, activation)
     return Estimate(overhead + roofline_us / efficiency, roofline_us, efficiency, overhead, basis)
 
 
 def estimate_experts(name: str, problem: MoEProblem, platform: Platform, tokens: int, profile: Profile,
-                     peers: Iterable[str] = ()) -> Estimate:
+                     peers: Iterable[str] = (), activation: QuantFormat | None = None) -> Estimate:
     """Estimated time of Experts backend ``name`` for M=``tokens``; ``peers``, the experts backends it
-    competes with, decide whether a generic estimate may stand in for a measurement (`Profile.points`)."""
-    return _estimate(name, roofline(problem, platform, tokens).us, problem, platform, tokens, profile, peers)
+    competes with, decide whether a generic estimate may stand in for a measurement (`Profile.points`);
+    ``activation`` as for `roofline` (the format its mode reads activations in on ``platform``:
+    `Mode.activation_format`)."""
+    us = roofline(problem, platform, tokens, activation=activation).us
+    return _estimate(name, us, problem, platform, tokens, profile, peers, activation)
 
 
 def transport_us(pf_format: ActivationFormat, quantizes: bool, problem: MoEProblem, platform: Platform,
@@ -191,3 +220,23 @@ def estimate_transport(name: str, pf_format: ActivationFormat, quantizes: bool, 
     """Estimated time of PrepareFinalize ``name`` when its prepare ``quantizes`` activations or not."""
     us = transport_us(pf_format, quantizes, problem, platform, tokens)
     return _estimate(name, us, problem, platform, tokens, profile)
+
+
+@dataclass(frozen=True)
+class SharedEstimate:
+    """The shared experts' time by itself (``alone``) and how it adds to the routed part's."""
+
+    alone: Estimate
+    overlapped: bool  # True on a GPU up to SHARED_OVERLAP_MAX_TOKENS: a second stream beside the routed experts
+
+    def layer_us(self, routed_us: float) -> float:
+        """The layer's time when the routed part (prepare, experts, finalize) takes ``routed_us``."""
+        if self.overlapped:
+            return max(routed_us, self.alone.us) + STREAM_FORK_JOIN_US
+        return routed_us + self.alone.us
+
+
+def estimate_shared(shared: MoEProblem, platform: Platform, tokens: int, profile: Profile) -> SharedEstimate:
+    """Estimated time of the shared MLP ``shared`` (a one-expert, top-1 problem) for M=``tokens``."""
+    alone = _estimate(SHARED_EXPERTS, roofline(shared, platform, tokens).us, shared, platform, tokens, profile)
+    return SharedEstimate(alone, overlapped=platform.is_cuda and tokens <= SHARED_OVERLAP_MAX_TOKENS)

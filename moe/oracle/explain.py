@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from moe.oracle.cost import roofline
+from moe.oracle.cost import STREAM_FORK_JOIN_US, roofline
 from moe.oracle.slow_path import slow_buckets, slow_path
 
 if TYPE_CHECKING:
@@ -52,7 +52,23 @@ def _header(plan: "Plan") -> list[str]:
         f"peak TFLOP/s {rates} ({pl.rates_source})",
         f"libraries  {', '.join(libs) or 'none'}",
         f"policy     {plan.policy.source}",
-    ]
+    ] + _shared_header(plan)
+
+
+def _shared_header(plan: "Plan") -> list[str]:
+    shared = plan.shared
+    if shared is None:
+        return []
+    how = ("on a second CUDA stream beside the routed part: layer = max(routed, shared) "
+           f"+ {STREAM_FORK_JOIN_US:g} us" if plan.platform.is_cuda else "before the routed part: layer = routed + shared")
+    return [f"shared     a dense MLP H={shared.hidden_size} I={shared.intermediate_size} "
+            f"activation={shared.activation.name}, {how}"]
+
+
+def _shared_row(b: "Bucket") -> str:
+    if b.shared is None:
+        return ""
+    return f"   shared {b.shared.alone.us:>8.1f} -> layer {b.layer_us:>8.1f}"
 
 
 def render_table(plan: "Plan") -> str:
@@ -67,7 +83,7 @@ def render_table(plan: "Plan") -> str:
     for b in plan.buckets:
         mark = "  (preferred by policy)" if b.preferred else ""
         mark += "  SLOW PATH" if b in slow else ""
-        lines.append(f"{_tokens(b):<12} {_scored(b.chosen)}   {_scored(b.runner_up)}{mark}")
+        lines.append(f"{_tokens(b):<12} {_scored(b.chosen)}   {_scored(b.runner_up)}{_shared_row(b)}{mark}")
     members = len(plan.pairs())
     share = ("; experts' share only: an all-to-all sizes its own buffers when built, with the process group"
              if plan.problem.parallel.ep_size > 1 else "")
@@ -81,10 +97,14 @@ def render_table(plan: "Plan") -> str:
 
 def _basis(plan: "Plan", b: "Bucket") -> str:
     s = b.chosen
-    r = roofline(plan.problem, plan.platform, b.high)
+    mode = plan.classes["experts"][s.pair.experts].capabilities.modes[plan.problem.quant] if plan.classes else None
+    computes = None if mode is None else mode.activation_format(plan.problem.quant, plan.platform)
+    r = roofline(plan.problem, plan.platform, b.high, activation=computes)
     return (f"  {_tokens(b):<12} M={b.high}: roofline {r.us:.1f} us ({r.bound}-bound, {r.experts_hit:.1f} experts hit, "
             f"{r.precision}); {s.pair.experts}: efficiency {s.experts.efficiency:.2f} + {s.experts.overhead_us:g} us "
-            f"[{s.experts.basis}]; {s.pair.prepare_finalize}: {s.transport.us:.1f} us [{s.transport.basis}]")
+            f"[{s.experts.basis}]; {s.pair.prepare_finalize}: {s.transport.us:.1f} us [{s.transport.basis}]"
+            + ("" if b.shared is None else f"; shared experts: {b.shared.alone.us:.1f} us, efficiency "
+               f"{b.shared.alone.efficiency:.2f} + {b.shared.alone.overhead_us:g} us [{b.shared.alone.basis}]"))
 
 
 def _status(plan: "Plan", kind: str, name: str) -> str:
@@ -118,7 +138,8 @@ def render(plan: "Plan") -> str:
 
 
 def as_json(plan: "Plan") -> dict:
-    """``{"plan": [{"tokens": [lo, hi], "experts", "prepare_finalize", "estimated_us"}], "rejected",
+    """``{"plan": [{"tokens": [lo, hi], "experts", "prepare_finalize", "estimated_us", "shared_us" (the shared
+    experts alone; null without them), "layer_us" (with them, Bucket.layer_us)}], "rejected",
     "workspace_bytes", "platform", "slow_path"}``; a bucket's ``slow_path`` is true where the reference
     experts serve it on a GPU, and the top-level ``slow_path`` then says why and what would serve."""
     slow, found = slow_buckets(plan), slow_path(plan)
@@ -126,7 +147,8 @@ def as_json(plan: "Plan") -> dict:
         "plan": [
             {"tokens": [b.low, b.high], "experts": b.chosen.pair.experts,
              "prepare_finalize": b.chosen.pair.prepare_finalize, "estimated_us": round(b.chosen.us, 3),
-             "slow_path": b in slow}
+             "slow_path": b in slow,
+             "shared_us": None if b.shared is None else round(b.shared.alone.us, 3), "layer_us": round(b.layer_us, 3)}
             for b in plan.buckets
         ],
         "slow_path": None if found is None else found.message(),

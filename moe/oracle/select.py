@@ -22,7 +22,7 @@ from typing import Mapping
 
 from moe.compose import activation_quant, composition_problems
 from moe.errors import MoEConfigError, UnsupportedError
-from moe.oracle.cost import Estimate, estimate_experts, estimate_transport
+from moe.oracle.cost import Estimate, SharedEstimate, estimate_experts, estimate_shared, estimate_transport
 from moe.oracle.explain import as_json, render, render_table
 from moe.oracle.policy import Policy
 from moe.oracle.profile import Profile, load_profiles
@@ -64,10 +64,17 @@ class Bucket:
     high: int
     ranking: tuple[Scored, ...]
     preferred: bool = False  # the first was moved up by policy.prefer (it is within prefer_margin of the fastest)
+    shared: SharedEstimate | None = None  # the layer's shared experts beside every pair (the same for all)
 
     @property
     def chosen(self) -> Scored:
         return self.ranking[0]
+
+    @property
+    def layer_us(self) -> float:
+        """The chosen pair's time, with the shared experts (overlapped on a GPU) where the layer has them;
+        the ranking is by the routed part alone, which the shared experts do not change."""
+        return self.chosen.us if self.shared is None else self.shared.layer_us(self.chosen.us)
 
     @property
     def runner_up(self) -> Scored | None:
@@ -93,6 +100,7 @@ class Plan:
     buckets: tuple[Bucket, ...]  # in token order; empty when nothing can serve
     candidates: tuple[Candidate, ...]  # every registered class, once
     workspace_bytes: int  # max over the plan's kernels
+    shared: MoEProblem | None = None  # the shared experts' dense MLP as a one-expert problem, if any
     classes: Mapping[str, Mapping[str, type]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -124,7 +132,7 @@ class Plan:
         """The plan of another problem or platform with this plan's policy and candidates (empty
         allowed): what `moe.oracle.slow_path` asks when it looks for a way out of a slow path."""
         return plan(problem or self.problem, platform or self.platform, self.policy, experts=self.classes.get(EXPERTS),
-                    prepare_finalize=self.classes.get(PREPARE_FINALIZE), allow_empty=True)
+                    prepare_finalize=self.classes.get(PREPARE_FINALIZE), allow_empty=True, shared=self.shared)
 
     def explain(self) -> str:
         return render(self)
@@ -139,15 +147,21 @@ class Plan:
 # --- plan ------------------------------------------------------------------------------------------
 def plan(problem: MoEProblem, platform: Platform | None = None, policy: Policy | None = None, *,
          experts: Mapping[str, type] | None = None, prepare_finalize: Mapping[str, type] | None = None,
-         allow_empty: bool = False) -> Plan:
+         allow_empty: bool = False, shared: MoEProblem | None = None) -> Plan:
     """The best (prepare/finalize, experts) pair per token bucket for ``problem`` on ``platform``.
+
+    ``shared``: the layer's shared experts as a one-expert problem (`moe.SharedExpertsConfig.problem`);
+    each bucket then also estimates the layer with them (``Bucket.layer_us``, moe/oracle/cost.py).
 
     ``platform`` defaults to ``Platform.detect()``, ``policy`` to ``Policy.from_env()``; ``experts`` and
     ``prepare_finalize`` (name -> class) default to the registry. Raises UnsupportedError, with every
     reason, when a forced backend cannot serve, or when nothing can (unless ``allow_empty``).
+    With redundant experts the plan is for ``problem.physical()``: the cost model, the capacity and the
+    workspace count physical experts per rank.
     """
     # inputs: platform, policy, candidates, profiles
-    _check_types(problem, platform, policy)
+    _check_types(problem, platform, policy, shared)
+    problem = problem.physical()  # redundant experts (EPLB): the kernels serve E + N physical experts
     platform = Platform.detect() if platform is None else platform
     policy = Policy.from_env() if policy is None else policy
     classes = {EXPERTS: dict(experts_classes() if experts is None else experts),
@@ -167,8 +181,11 @@ def plan(problem: MoEProblem, platform: Platform | None = None, policy: Policy |
     edges = policy.bucket_edges(problem.max_tokens) if pairs else ()
     lows = (1,) + tuple(e + 1 for e in edges[:-1])
     buckets = tuple(_rank(lo, hi, pairs, problem, platform, policy, profile) for lo, hi in zip(lows, edges))
+    if shared is not None:
+        buckets = tuple(dataclasses.replace(b, shared=estimate_shared(shared, platform, b.high, profile))
+                        for b in buckets)
     candidates = tuple(Candidate(n, kind, r) for kind in (EXPERTS, PREPARE_FINALIZE) for n, r in reasons[kind].items())
-    result = Plan(problem, platform, policy, buckets, candidates, 0, classes)
+    result = Plan(problem, platform, policy, buckets, candidates, 0, shared, classes)
     # workspace: the max over the members, computed without allocating
     result = dataclasses.replace(result, workspace_bytes=_workspace_bytes(result))
     if not buckets and not allow_empty:
@@ -177,8 +194,9 @@ def plan(problem: MoEProblem, platform: Platform | None = None, policy: Policy |
     return result
 
 
-def _check_types(problem: object, platform: object, policy: object) -> None:
+def _check_types(problem: object, platform: object, policy: object, shared: object) -> None:
     for name, value, wanted, example in (
+        ("shared", shared, (MoEProblem, type(None)), "SharedExpertsConfig(I).problem(problem) or None"),
         ("problem", problem, MoEProblem, "MoEProblem.create(...)"),
         ("platform", platform, (Platform, type(None)), "Platform.detect() or Platform.preset('h100')"),
         ("policy", policy, (Policy, type(None)), "Policy(...) or Policy.from_file(path)"),
@@ -253,9 +271,10 @@ def _rank(low: int, high: int, pairs: dict[Pair, tuple], problem: MoEProblem, pl
 def _score(pair: Pair, pf_cls: type, experts_cls: type, problem: MoEProblem, platform: Platform, tokens: int,
            profile: Profile) -> Scored:
     quantizes = activation_quant(experts_cls, problem) is not QuantFormat.NONE  # prepare quantizes the activations
+    computes = experts_cls.capabilities.modes[problem.quant].activation_format(problem.quant, platform)  # weight-only?
     return Scored(
         pair,
-        estimate_experts(pair.experts, problem, platform, tokens, profile, experts_classes()),
+        estimate_experts(pair.experts, problem, platform, tokens, profile, experts_classes(), computes),
         estimate_transport(pair.prepare_finalize, pf_cls.transport.format, quantizes, problem, platform, tokens,
                            profile),
     )

@@ -8,7 +8,7 @@ legal but never what a user wants unknowingly, so ``FusedMoE`` warns once when i
 fast backend refused, and what would serve: the other schemes this platform runs with a kernel, and the
 GPUs that run this scheme with one.
 
-    >>> slow = slow_path(plan(problem_nvfp4, Platform.preset("h100")))      # doctest: +SKIP
+    >>> slow = slow_path(plan(problem_mxfp8, Platform.preset("h100")))      # doctest: +SKIP
     >>> slow.other_schemes, slow.other_platforms                            # doctest: +SKIP
     (('bf16', 'fp8', 'fp8_token', 'fp8_block', 'mxfp4'), ('b200', 'gb200'))
 """

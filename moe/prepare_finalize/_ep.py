@@ -56,7 +56,7 @@ class ExpertPlacement:
             shown = ", ".join(f"expert {e} on ranks {o}" for e, o in list(bad.items())[:4])
             raise MoEConfigError(
                 f"every expert must live on exactly one rank ({shown}); "
-                "fix the ranks' expert_map (replicated experts are not supported)"
+                "fix the ranks' expert_map (for replicas of hot experts use ParallelConfig(num_redundant_experts=N))"
             )
         to_local = tuple(maps[rank])
         elsewhere = [e for e, local in enumerate(to_local) if local < 0]

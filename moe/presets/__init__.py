@@ -1,6 +1,6 @@
 """Model presets: the MoE layer shapes of known models, one YAML file per model in this folder.
 
-Schema (every key required, no others)::
+Schema (every key required but the last, no others)::
 
     name: mixtral-8x7b                 # str, equal to the file's stem
     source: mistralai/Mixtral-8x7B-v0.1  # str, the Hugging Face model id the numbers come from
@@ -16,6 +16,8 @@ Schema (every key required, no others)::
     has_bias: false                    # bool, experts have biases b13/b2
     quant: bf16                        # str, the checkpoint's own scheme (moe.quant.scheme.SCHEME_NAMES)
     notes: ...                         # str, where the numbers come from and what is approximate
+    shared_intermediate_size: 2048     # int, optional: I of the shared experts' dense MLP (same activation;
+                                       #   DeepSeek: moe_intermediate_size * n_shared_experts); absent: none
 
 A comment in each file cites the config.json the numbers were read from.
 
@@ -41,6 +43,7 @@ from moe.errors import MoEConfigError
 from moe.problem import MoEProblem
 from moe.quant.scheme import SCHEME_NAMES
 from moe.router import Router
+from moe.shared import SharedExpertsConfig
 
 PRESET_DIR = Path(__file__).parent
 
@@ -63,6 +66,7 @@ _SCHEMA: dict[str, tuple[type, ...]] = {
     "quant": (str,),
     "notes": (str,),
 }
+_OPTIONAL: dict[str, tuple[type, ...]] = {"shared_intermediate_size": (int,)}
 
 _SCALED_SUFFIX = "-scaled"
 # mxfp4 and mxfp8 scale every 32 elements along K, and both H and I are a K.
@@ -89,6 +93,7 @@ class Preset:
     has_bias: bool  # expert biases b13/b2
     quant: str  # the checkpoint's quantization scheme name
     notes: str = ""
+    shared_intermediate_size: int = 0  # I of the shared experts' MLP; 0: the model has none
 
     def __post_init__(self):
         options = self.routing_options
@@ -118,6 +123,14 @@ class Preset:
             )
         Router(self.routing, self.num_experts, self.top_k, **self.router_options())  # validates routing
         self.problem()  # validates shapes, activation and quant together
+        if isinstance(self.shared_intermediate_size, bool) or not isinstance(self.shared_intermediate_size, int) \
+                or self.shared_intermediate_size < 0:
+            raise MoEConfigError(f"shared_intermediate_size must be an int >= 0, 0 for none (got "
+                                 f"{self.shared_intermediate_size!r}) in preset {self.name!r}")
+
+    def shared_experts(self) -> SharedExpertsConfig | None:
+        """The shared experts of this model (the layer's activation), or None when it has none."""
+        return SharedExpertsConfig(self.shared_intermediate_size) if self.shared_intermediate_size else None
 
     @property
     def options(self) -> dict[str, Any]:
@@ -204,6 +217,8 @@ class Preset:
             top_k=top_k,
             hidden_size=_round_down(min(self.hidden_size, max_hidden)),
             intermediate_size=_round_down(min(self.intermediate_size, max_intermediate)),
+            shared_intermediate_size=self.shared_intermediate_size and _round_down(
+                min(self.shared_intermediate_size, max_intermediate)),
             routing_options=options,
             notes=note + self.notes,
         )
@@ -253,13 +268,15 @@ def load_preset_file(path: str | Path) -> Preset:
             f"preset file {path} must hold a mapping of the preset keys (got {type(data).__name__})"
         )
     missing = [key for key in _SCHEMA if key not in data]
-    unknown = sorted(str(key) for key in data if key not in _SCHEMA)
+    unknown = sorted(str(key) for key in data if key not in _SCHEMA and key not in _OPTIONAL)
     if missing or unknown:
         raise MoEConfigError(
             f"preset file {path}: missing key(s) {missing}, unknown key(s) {unknown}; "
-            f"the keys are exactly {tuple(_SCHEMA)}"
+            f"the keys are exactly {tuple(_SCHEMA)}, and optionally {tuple(_OPTIONAL)}"
         )
-    for key, types in _SCHEMA.items():
+    for key, types in {**_SCHEMA, **_OPTIONAL}.items():
+        if key not in data:
+            continue
         value = data[key]
         if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
             raise MoEConfigError(

@@ -269,8 +269,10 @@ def _misaligned_cases(mode: Mode, base: MoEProblem, suffix: str) -> list[Exclusi
     for dim, multiple in alignments:
         if multiple <= 1:
             continue
-        # stays storable in the scheme's formats (and even)
-        step = math.lcm(base.quant.weight.k_multiple, base.quant.activation.k_multiple) * 2
+        # stays storable in the scheme's formats (and even); none is misaligned when the step is aligned
+        step = math.lcm(base.quant.weight.k_multiple, base.quant.activation.k_multiple, 2)
+        if step % multiple == 0:
+            continue
         value = next(v for v in itertools.count(multiple + step, step) if v % multiple)
         excluded = f"{dim}={value} (not a multiple of {multiple}){suffix}"
         cases.append(ExclusionCase(excluded, replace(base, **{dim: value})))

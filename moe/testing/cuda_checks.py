@@ -51,18 +51,24 @@ def host_syncs(fn: Callable[[], T]) -> tuple[T | None, str | None]:
         torch.cuda.set_sync_debug_mode(previous)
 
 
+def capture(fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``fn`` warmed up on a side stream, then captured: the graph and what the captured call returned."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
+
+
 def capture_and_replay(fn: Callable[[], T], before_replay: Callable[[], None]) -> tuple[T | None, str | None]:
     """Warms ``fn`` up on a side stream, captures it, calls ``before_replay`` (e.g. to re-poison the
     buffers so the replay must really recompute), replays. (result, None) or (None, the error)."""
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            result = fn()
+        graph, result = capture(fn)
         before_replay()
         graph.replay()
         torch.cuda.synchronize()

@@ -9,7 +9,8 @@ failure (``mode``: the declaration is wrong); only what the platform lacks skips
 2. no write outside the declared buffers; the output has the declared kind and shape and lives in
    the workspace;
 3. finalize and compare with ``ModularKernel(LocalPrepareFinalize(p), ReferenceExperts(p))`` under the
-   problem's tolerance regime (hints on failure).
+   problem's tolerance regime (hints on failure); a mode that runs weight-only on the platform is held
+   to the weight-only reference instead (`moe.experts.reference.reference_for`).
 
 Once more at the smallest M > 0 below ``max_tokens``, with the shapes declared for ``max_tokens``: a
 kernel hands ``apply`` the views of M's token bucket, sized for its upper edge.
@@ -28,7 +29,7 @@ import torch
 
 from moe.errors import MoEConfigError
 from moe.experts.base import Experts
-from moe.experts.reference import ReferenceExperts
+from moe.experts.reference import reference_for
 from moe.formats import ActivationFormat, Dispatched, ExpertsOutput, OutputKind
 from moe.kernel import ModularKernel
 from moe.platform import Platform
@@ -112,7 +113,8 @@ class ExpertsRun:
         except MoEConfigError as error:
             self.fail("compose", str(error))
             return False
-        self.truth = ModularKernel(LocalPrepareFinalize(p), ReferenceExperts(p), device=self.device)
+        truth_cls = reference_for(self.cls, p, self.platform)
+        self.truth = ModularKernel(LocalPrepareFinalize(p), truth_cls(p), device=self.device)
         weights = random_weights(p, gen, self.device)
         self.truth.load(weights)
         self.canonical = weights  # what the diagnoses load into reference kernels of nearby problems

@@ -1,6 +1,7 @@
 """``python -m moe plan``: what the oracle would run for a layer on a (possibly simulated) platform, and why.
 
     python -m moe plan --platform b200 --preset deepseek-v3 --quant nvfp4 --activation silu --explain
+    python -m moe plan --platform h100 --preset deepseek-v3-ep8-slice --shared-intermediate 2048
     python -m moe plan --platform h100 --experts 128 --top-k 4 --hidden 2880 --intermediate 2880 \\
         --quant mxfp4 --activation swiglu_oai --tokens 1 64 4096 --json
 
@@ -24,6 +25,7 @@ from moe.presets import preset_names
 from moe.problem import MoEProblem, ParallelConfig
 from moe.quant import QuantScheme
 from moe.quant.scheme import SCHEME_NAMES
+from moe.shared import SharedExpertsConfig
 
 QUANT_NAMES = SCHEME_NAMES  # the one list of scheme names (moe/quant/scheme.py), as the demo's
 DEFAULT_MAX_TOKENS = 8192
@@ -47,11 +49,16 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     shape.add_argument("--hidden", type=count, help="H, hidden size")
     shape.add_argument("--intermediate", type=count, help="I, intermediate size of one expert")
     shape.add_argument("--bias", action="store_true", help="experts have biases (not with --preset: it says)")
+    shape.add_argument("--shared-intermediate", type=int_at_least(0), metavar="N",
+                       help="I of the shared experts' dense MLP beside the routed ones, same activation "
+                            "(default: the preset's, e.g. 2048 for deepseek-v3; 0: none)")
     p.add_argument("--quant", choices=QUANT_NAMES, metavar="SCHEME",
                    help=f"one of {', '.join(QUANT_NAMES)} (default: the preset's checkpoint scheme, or bf16)")
     p.add_argument("--act-quant", choices=("mxfp8",), help="activation format for --quant mxfp4 (default bf16: W4A16)")
     p.add_argument("--activation", choices=ACTIVATION_NAMES, help="default: the preset's, or silu")
     p.add_argument("--ep", type=count, default=1, help="plan for rank 0 of N expert-parallel ranks")
+    p.add_argument("--redundant", type=int_at_least(0), default=0, metavar="N",
+                   help="N redundant experts (EPLB replicas) over the --ep ranks: the plan is for E + N physical experts")
     p.add_argument("--tokens", type=count, nargs="+", metavar="M", help="bucket edges (default 1 4 16 ... max tokens)")
     p.add_argument("--max-tokens", type=count,
                    help=f"largest M, >= every --tokens (default: the largest --tokens, or {DEFAULT_MAX_TOKENS})")
@@ -67,15 +74,32 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json and args.explain:
         raise MoEConfigError("--explain does not go with --json: the JSON holds the plan and every rejected "
                              "candidate's reasons; drop one of them")
-    result = plan(_problem(args), _platform(args), _policy(args), allow_empty=True)
-    print(_render(result, args))
+    problem = _problem(args)
+    result = plan(problem, _platform(args), _policy(args), allow_empty=True, shared=_shared(args, problem))
+    print(_render(result, args, problem))
     return 0 if result.buckets else 1
 
 
-def _render(result: Plan, args: argparse.Namespace) -> str:
+def _render(result: Plan, args: argparse.Namespace, problem: MoEProblem) -> str:
+    eplb = _eplb_summary(problem)
     if args.json:
-        return json.dumps(result.to_json())
-    return result.explain() if args.explain else result.table()
+        return json.dumps(result.to_json() | ({"eplb": eplb} if eplb else {}))
+    text = result.explain() if args.explain else result.table()
+    if not eplb:
+        return text
+    return (f"eplb       E={eplb['logical_experts']} logical + {eplb['redundant_experts']} redundant = "
+            f"{eplb['physical_experts']} physical experts, {eplb['physical_per_rank']} per rank on {args.ep} ranks; "
+            "the plan, its capacity and workspace count physical experts\n" + text)
+
+
+def _eplb_summary(problem: MoEProblem) -> dict | None:
+    """The logical and physical expert counts of a problem with redundant experts; None without."""
+    n = problem.parallel.num_redundant_experts
+    if not n:
+        return None
+    return {"logical_experts": problem.num_experts, "redundant_experts": n,
+            "physical_experts": problem.parallel.num_physical_experts(problem.num_experts),
+            "physical_per_rank": problem.local_num_experts}
 
 
 def _platform(args: argparse.Namespace) -> Platform:
@@ -107,15 +131,25 @@ def _problem(args: argparse.Namespace) -> MoEProblem:
     if args.max_tokens is not None and largest is not None and args.max_tokens < largest:
         raise MoEConfigError(f"--max-tokens {args.max_tokens} is smaller than the largest --tokens {largest}; "
                              "raise it or drop that bucket edge")
-    if sizes["num_experts"] % args.ep:
+    if sizes["num_experts"] % args.ep and not args.redundant:
         raise MoEConfigError(f"--ep {args.ep} must divide the number of experts E={sizes['num_experts']} "
                              "(plan shards the experts evenly)")
     return MoEProblem.create(
         num_experts=sizes["num_experts"], top_k=sizes["top_k"], hidden_size=sizes["hidden_size"],
         intermediate_size=sizes["intermediate_size"], has_bias=sizes["has_bias"],
         activation=args.activation or sizes["activation"], quant=quant,
-        max_tokens=args.max_tokens or largest or DEFAULT_MAX_TOKENS, parallel=ParallelConfig(ep_size=args.ep),
+        max_tokens=args.max_tokens or largest or DEFAULT_MAX_TOKENS, parallel=ParallelConfig(ep_size=args.ep, num_redundant_experts=args.redundant),
     )
+
+
+def _shared(args: argparse.Namespace, problem: MoEProblem) -> MoEProblem | None:
+    """The shared experts' dense MLP as the oracle costs it: --shared-intermediate, else the preset's."""
+    size = args.shared_intermediate
+    if size is None:
+        from moe.presets import load_preset
+
+        size = load_preset(args.preset).shared_intermediate_size if args.preset else 0
+    return SharedExpertsConfig(size).problem(problem) if size else None
 
 
 def _sizes(args: argparse.Namespace) -> dict:

@@ -8,6 +8,7 @@ import torch
 
 from moe import FusedMoE
 from moe.cache import open_cache
+from moe.testing import assert_close_moe
 
 pytestmark = pytest.mark.gpu
 flashinfer = pytest.importorskip("flashinfer")
@@ -49,4 +50,6 @@ def test_second_load_profiles_nothing_and_gives_the_same_outputs(monkeypatch, tm
     del profiled[:]
     warm = load_layer(weights)
     assert profiled == [], f"the second load profiled {len(profiled)} tactics"
-    assert torch.equal(warm(hidden, logits), out_cold)
+    # the same tactics, but FlashInfer's CUTLASS MoE is not bitwise deterministic run to run (seen on an
+    # H100: last-bit bf16 differences between two loads): both agree within the kit's bf16 bound
+    assert_close_moe(warm(hidden, logits), out_cold, "bf16")

@@ -39,9 +39,13 @@ def problem(quant, activation="silu", *, E=16, k=4, H=512, I=384, bias=False, ex
                              has_bias=bias, max_tokens=max_tokens, parallel=parallel)
 
 
-def weights_for(p):
+def weights_for(p, spread: tuple[float, float] | None = None):
+    """Random canonical weights; ``spread=(low, high)`` scales expert e's w13 from low to high linearly, so
+    that per-expert scales (fp8 per tensor, NVFP4's global scale) differ from expert to expert."""
     e, r, h, i = p.local_num_experts, p.w13_rows, p.hidden_size, p.intermediate_size
     w13, w2 = torch.randn(e, r, h, device="cuda") / h**0.5, torch.randn(e, h, i, device="cuda") / i**0.5
+    if spread is not None:
+        w13 = w13 * torch.linspace(*spread, e, device="cuda").view(e, 1, 1)
     b13 = 0.1 * torch.randn(e, r, device="cuda") if p.has_bias else None
     b2 = 0.1 * torch.randn(e, h, device="cuda") if p.has_bias else None
     return ExpertWeights.from_dense(w13, w2, b13, b2, quant=p.quant, dtype=p.dtype)
@@ -148,11 +152,16 @@ def test_cuda_graph_replay_without_host_sync(quant, tma, monkeypatch):
         monkeypatch.setattr(cfg.ConfigTable, "lookup", lambda self, m: cfg.LaunchConfig(64, tile, tile))
     p = problem(quant, E=32, k=8, H=1024, I=512, max_tokens=300)
     experts = TritonExperts(p)
-    prepared = experts.prepare_weights(weights_for(p))
-    x = torch.randn(300, p.hidden_size, device="cuda", dtype=p.dtype)
-    topk = topk_for(p, 300)
+    assert_replay_equals_eager_without_sync(experts, experts.prepare_weights(weights_for(p)), p, 300)
+
+
+def assert_replay_equals_eager_without_sync(experts, prepared, p, tokens: int) -> None:
+    """``experts.apply`` on ``tokens`` random rows: no host sync (sync debug mode raises), and a CUDA graph
+    of it, replayed on new inputs in the same buffers, equals an eager call bit for bit."""
+    x = torch.randn(tokens, p.hidden_size, device="cuda", dtype=p.dtype)
+    topk = topk_for(p, tokens)
     dispatched = Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=x, scale=None, fmt="none"), topk)
-    ws = WorkspaceManager("cuda").take(experts.workspace_shapes(DispatchShape(ActivationFormat.STANDARD, 300)))
+    ws = WorkspaceManager("cuda").take(experts.workspace_shapes(DispatchShape(ActivationFormat.STANDARD, tokens)))
     experts.apply(dispatched, prepared, ws)  # compile outside the capture
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any host synchronization raises
@@ -165,7 +174,7 @@ def test_cuda_graph_replay_without_host_sync(quant, tma, monkeypatch):
         out = experts.apply(dispatched, prepared, ws).out
     for _ in range(2):  # new inputs in the same buffers
         x.copy_(torch.randn_like(x))
-        fresh = topk_for(p, 300)
+        fresh = topk_for(p, tokens)
         topk.ids.copy_(fresh.ids)
         topk.weights.copy_(fresh.weights)
         graph.replay()

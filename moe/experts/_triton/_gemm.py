@@ -13,7 +13,10 @@ One kernel serves both GEMMs and both activation formats; constexpr switches pic
   ``[E * R, K]``, block ``[BLOCK_N, BLOCK_K]``) instead of pointer loads; dense and fp8 weights.
 - ``QUANT``: how A and W are stored (the numbering is `gemm.QUANT_CODES`):
   0 dense; 1 fp8 per tensor; 2 fp8 per row/channel; 3 fp8 128x128 blocks (1x128 groups of A);
-  4 MXFP4 weights (dequantized tile by tile in registers) with dense activations.
+  4 MXFP4 and 5 NVFP4 weights (dequantized tile by tile in registers, one loop: only the scale decoding
+  differs) with dense activations.
+- ``WEIGHT_ONLY``: fp8 weights with dense activations (GPUs without fp8 tensor cores): the e4m3 bits
+  (uint8) are decoded to A's dtype in registers and A's scale is 1; the weight scales apply as for fp8.
 """
 
 import triton
@@ -39,6 +42,7 @@ _FP8_TENSOR = tl.constexpr(1)
 _FP8_ROW = tl.constexpr(2)
 _FP8_BLOCK = tl.constexpr(3)
 _MXFP4 = tl.constexpr(4)
+_NVFP4 = tl.constexpr(5)
 
 
 @triton.jit
@@ -68,6 +72,32 @@ def _e8m0_factor(scale_bytes):
 
 
 @triton.jit
+def _e4m3_scaled(bits, dtype: tl.constexpr):
+    """e4m3 bit patterns (integers) as ``dtype`` values times 2**-8, exactly: the sign goes to bit 15 of a
+    float16 and the seven exponent and mantissa bits to bits 7..13, so the float16's exponent is e4m3's
+    minus 8 (biases 15 and 7), subnormals included. 0x7F/0xFF (e4m3's NaN) read as 480: our quantizers
+    saturate and never store them."""
+    bits = bits.to(tl.int32)
+    half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
+    return half.to(dtype)
+
+
+@triton.jit
+def _fp4_factors(words, shifts, SCALES: tl.constexpr):
+    """The factors of a group's low and high half-tiles from its scale word (see `_fp4_half_tiles`), each
+    times 2**14 to undo `_e2m1_scaled`'s 2**-14: MXFP4, the group's e8m0 byte for both halves; NVFP4, the
+    e4m3 bytes of its two blocks of 16 (the byte at ``shifts`` and the next), times 2**8 more to undo
+    `_e4m3_scaled`'s 2**-8. Exact in float32; NVFP4's global scale applies to the accumulator instead."""
+    if SCALES == _NVFP4:
+        low = _e4m3_scaled((words >> shifts) & 255, tl.float32) * 4194304.0  # 2**22
+        high = _e4m3_scaled((words >> (shifts + 8)) & 255, tl.float32) * 4194304.0
+    else:
+        low = _e8m0_factor((words >> shifts) & 255)
+        high = low
+    return low, high
+
+
+@triton.jit
 def _e2m1_scaled(bits, factor, dtype: tl.constexpr):
     """float16 bit patterns of e2m1 values times 2**-14 (see `_mxfp4_half_tiles`), times ``factor``,
     as ``dtype``: exact in float32, so the result is the dequantized weight rounded once."""
@@ -76,15 +106,15 @@ def _e2m1_scaled(bits, factor, dtype: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, dtype: tl.constexpr, EVEN_K: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One K step of MXFP4 weights, dequantized: the half-tiles ``[BLOCK_K/2, BLOCK_N]`` of the low
-    and the high nibbles (elements j and j + 16 of each group of 32; weights.py's layout).
+def _fp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, SCALES: tl.constexpr, dtype: tl.constexpr,
+                    EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One K step of MXFP4 or NVFP4 (``SCALES``) weights, dequantized: the half-tiles ``[BLOCK_K/2,
+    BLOCK_N]`` of the low and the high nibbles (elements j and j + 16 of each group of 32; weights.py).
 
     ``w_ptrs [G, 16, BLOCK_N]`` address the packed bytes (G = BLOCK_K / 32 groups, 16 contiguous
     bytes each: vectorized loads), ``s_ptrs [G, 1, BLOCK_N]`` each group's scale word, ``shifts
-    [G, 1, 1]`` the group's byte in it, ``group_ok [G, 1, 1]`` the groups inside K. The scale factor
-    is computed once per (group, row) and broadcast over the group's 16 bytes in registers.
+    [G, 1, 1]`` the group's (first) byte in it, ``group_ok [G, 1, 1]`` the groups inside K. The scale
+    factors are computed once per (group, row) and broadcast over the group's 16 bytes in registers.
     A code's three magnitude bits go to bits 9..11 of a float16 (exponent bits 10..11, top mantissa
     bit 9) and its sign to bit 15: that float16 is the e2m1 value times 2**-14, subnormals included.
     """
@@ -94,20 +124,21 @@ def _mxfp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, dtype: tl.constexpr, EVE
     else:
         packed = tl.load(w_ptrs, mask=group_ok, other=0)
         words = tl.load(s_ptrs, mask=group_ok, other=0)
-    factor = _e8m0_factor((words >> shifts) & 255)
+    factor_low, factor_high = _fp4_factors(words, shifts, SCALES)
     packed = packed.to(tl.int32)
-    low = _e2m1_scaled(((packed & 0x08) << 12) | ((packed & 0x07) << 9), factor, dtype)
-    high = _e2m1_scaled(((packed & 0x80) << 8) | ((packed & 0x70) << 5), factor, dtype)
+    low = _e2m1_scaled(((packed & 0x08) << 12) | ((packed & 0x07) << 9), factor_low, dtype)
+    high = _e2m1_scaled(((packed & 0x80) << 8) | ((packed & 0x70) << 5), factor_high, dtype)
     return tl.reshape(low, (BLOCK_K // 2, BLOCK_N)), tl.reshape(high, (BLOCK_K // 2, BLOCK_N))
 
 
 @triton.jit
-def _mxfp4_loop(acc, acc_up, a_ptr, a_rows, stride_am, stride_ak, w_base, stride_wn, stride_wk,
-                ws_base, stride_wsn, stride_wsk, offs_n, N, K,
-                GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The K loop with MXFP4 weights: each step splits into the low and high half-tiles, whose A
-    columns are runs of 16 (k_low and k_low + 16); K is a multiple of 32 (whole groups)."""
+def _fp4_loop(acc, acc_up, a_ptr, a_rows, stride_am, stride_ak, w_base, stride_wn, stride_wk,
+              ws_base, stride_wsn, stride_wsk, offs_n, N, K,
+              SCALES: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The K loop with MXFP4 or NVFP4 weights: each step splits into the low and high half-tiles, whose
+    A columns are runs of 16 (k_low and k_low + 16); K is a multiple of 32 (whole groups). Group g's
+    scale is byte g of the scale words (MXFP4), or bytes 2g and 2g + 1 (NVFP4: a scale per 16)."""
     offs_b = tl.arange(0, BLOCK_K // 2)
     k_low = (offs_b // 16) * 32 + offs_b % 16
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + k_low[None, :] * stride_ak
@@ -125,20 +156,36 @@ def _mxfp4_loop(acc, acc_up, a_ptr, a_rows, stride_am, stride_ak, w_base, stride
             a_ok = (offs_b // 16)[None, :] < groups_left
             a_lo = tl.load(a_ptrs, mask=a_ok, other=0.0)
             a_hi = tl.load(a_ptrs + 16 * stride_ak, mask=a_ok, other=0.0)
-        s_ptrs = s_base + (group // 4) * stride_wsk
-        shifts = (group % 4) * 8
-        w_lo, w_hi = _mxfp4_half_tiles(w_ptrs, s_ptrs, shifts, g3 < groups_left, a_lo.dtype, EVEN_K,
-                                       BLOCK_K, BLOCK_N)
+        if SCALES == _NVFP4:
+            byte = group * 2
+        else:
+            byte = group
+        s_ptrs = s_base + (byte // 4) * stride_wsk
+        shifts = (byte % 4) * 8
+        w_lo, w_hi = _fp4_half_tiles(w_ptrs, s_ptrs, shifts, g3 < groups_left, SCALES, a_lo.dtype, EVEN_K,
+                                     BLOCK_K, BLOCK_N)
         acc = _dot(a_lo, w_lo, acc, IEEE)
         acc = _dot(a_hi, w_hi, acc, IEEE)
         if GATED:  # the up rows: N further down, in the data and in the scale words alike
-            w_lo, w_hi = _mxfp4_half_tiles(w_ptrs + N * stride_wn, s_ptrs + N * stride_wsn, shifts,
-                                           g3 < groups_left, a_lo.dtype, EVEN_K, BLOCK_K, BLOCK_N)
+            w_lo, w_hi = _fp4_half_tiles(w_ptrs + N * stride_wn, s_ptrs + N * stride_wsn, shifts,
+                                         g3 < groups_left, SCALES, a_lo.dtype, EVEN_K, BLOCK_K, BLOCK_N)
             acc_up = _dot(a_lo, w_lo, acc_up, IEEE)
             acc_up = _dot(a_hi, w_hi, acc_up, IEEE)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += (BLOCK_K // 2) * stride_wk
     return acc, acc_up
+
+
+@triton.jit
+def _a_scales(ptrs, WEIGHT_ONLY: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A's fp8 scales of a block of rows at ``ptrs``; weight-only (A unquantized): 2**8 instead, which
+    undoes `_e4m3_scaled`'s 2**-8 on the weights. One return: Triton 3.6 compiling for a GPU rejects
+    returns of two types even under a constexpr branch (the pointer is a uint8 placeholder there)."""
+    if WEIGHT_ONLY:
+        scales = tl.full([BLOCK_M], 256.0, tl.float32)
+    else:
+        scales = tl.load(ptrs).to(tl.float32)
+    return scales
 
 
 @triton.jit
@@ -164,7 +211,7 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 # the token-dependent counts are not specialized on, so one compiled kernel serves every M
 @triton.jit(do_not_specialize=["num_m_blocks", "num_slots", "rows_per_expert", "num_experts"])
 def moe_gemm_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, bias_ptr, out_ptr,
+    a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, w_global_ptr, bias_ptr, out_ptr,
     rows_ptr, map_ptr, ends_ptr, counts_ptr,
     num_m_blocks, num_slots, rows_per_expert, num_experts, N, K, w_rows,
     stride_am, stride_ak, stride_asm, stride_ask,
@@ -172,7 +219,8 @@ def moe_gemm_kernel(
     stride_be, stride_bn, stride_om, stride_on,
     alpha, beta, limit,
     ROWS: tl.constexpr, HAS_MAP: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
-    ACTIVATION: tl.constexpr, QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    ACTIVATION: tl.constexpr, QUANT: tl.constexpr, WEIGHT_ONLY: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
     IEEE: tl.constexpr, E_PAD: tl.constexpr, W_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -221,10 +269,10 @@ def moe_gemm_kernel(
 
     acc = tl.full([BLOCK_M, BLOCK_N], 0, tl.float32)
     acc_up = tl.full([BLOCK_M, BLOCK_N], 0, tl.float32)
-    if QUANT == _MXFP4:
-        acc, acc_up = _mxfp4_loop(acc, acc_up, a_ptr, a_rows, stride_am, stride_ak, w_base, stride_wn,
-                                  stride_wk, ws_base, stride_wsn, stride_wsk, offs_n, N, K,
-                                  GATED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)
+    if QUANT == _MXFP4 or QUANT == _NVFP4:
+        acc, acc_up = _fp4_loop(acc, acc_up, a_ptr, a_rows, stride_am, stride_ak, w_base, stride_wn,
+                                stride_wk, ws_base, stride_wsn, stride_wsk, offs_n, N, K,
+                                QUANT, GATED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
@@ -250,14 +298,18 @@ def moe_gemm_kernel(
                 w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
                 if GATED:
                     w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None], other=0.0)
+            if WEIGHT_ONLY:  # e4m3 bits -> A's dtype, times 2**-8 (undone by the scales below)
+                w = _e4m3_scaled(w, a.dtype)
+                if GATED:
+                    w_up = _e4m3_scaled(w_up, a.dtype)
             if QUANT == _FP8_BLOCK:
                 group = (kk * BLOCK_K) // 128
-                a_s = tl.load(a_scale_ptr + a_rows * stride_asm + group * stride_ask)
+                a_s = _a_scales(a_scale_ptr + a_rows * stride_asm + group * stride_ask, WEIGHT_ONLY, BLOCK_M)
                 w_s = tl.load(ws_base + (offs_n // 128) * stride_wsn + group * stride_wsk)
-                acc += tl.dot(a, w) * (a_s[:, None] * w_s[None, :])
+                acc += _dot(a, w, None, IEEE) * (a_s[:, None] * w_s[None, :])
                 if GATED:
                     w_s = tl.load(ws_base + ((offs_n + N) // 128) * stride_wsn + group * stride_wsk)
-                    acc_up += tl.dot(a, w_up) * (a_s[:, None] * w_s[None, :])
+                    acc_up += _dot(a, w_up, None, IEEE) * (a_s[:, None] * w_s[None, :])
             else:
                 acc = _dot(a, w, acc, IEEE)
                 if GATED:
@@ -266,11 +318,18 @@ def moe_gemm_kernel(
             w_ptrs += BLOCK_K * stride_wk
 
     if QUANT == _FP8_TENSOR:
-        scale = tl.load(a_scale_ptr) * tl.load(ws_base)
+        if WEIGHT_ONLY:
+            scale = tl.load(ws_base) * 256.0  # A's scale is 1; 2**8 undoes `_e4m3_scaled`
+        else:
+            scale = tl.load(a_scale_ptr) * tl.load(ws_base)
+        acc *= scale
+        acc_up *= scale
+    if QUANT == _NVFP4:  # the global scale, one per expert, factors out of the sum over K
+        scale = tl.load(w_global_ptr + expert)
         acc *= scale
         acc_up *= scale
     if QUANT == _FP8_ROW:
-        a_s = tl.load(a_scale_ptr + a_rows * stride_asm)
+        a_s = _a_scales(a_scale_ptr + a_rows * stride_asm, WEIGHT_ONLY, BLOCK_M)
         acc *= a_s[:, None] * tl.load(ws_base + offs_n * stride_wsn)[None, :]
         if GATED:
             acc_up *= a_s[:, None] * tl.load(ws_base + (offs_n + N) * stride_wsn)[None, :]

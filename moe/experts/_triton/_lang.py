@@ -1,6 +1,6 @@
 """Small ``@triton.jit`` helpers used instead of ``triton.language``'s own jit'd ones.
 
-``tl.sum``, ``tl.max``, ``tl.cumsum``, ``tl.cdiv``, ``tl.sigmoid`` and ``tl.zeros`` are themselves
+``tl.sum``, ``tl.max``, ``tl.min``, ``tl.cumsum``, ``tl.cdiv``, ``tl.sigmoid`` and ``tl.zeros`` are themselves
 ``@triton.jit`` functions, decorated when ``triton.language`` is first imported. If that import came
 before ``TRITON_INTERPRET=1`` was set (a test suite importing torch first), the CPU interpreter cannot
 call them. These twins are decorated with the kernels, so they follow the kernels' mode; on a GPU
@@ -22,6 +22,11 @@ def _larger(a, b):
 
 
 @triton.jit
+def _smaller(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
 def sum_(x, axis: tl.constexpr):
     return tl.reduce(x, axis, _add)
 
@@ -29,6 +34,11 @@ def sum_(x, axis: tl.constexpr):
 @triton.jit
 def max_(x, axis: tl.constexpr):
     return tl.reduce(x, axis, _larger)
+
+
+@triton.jit
+def min_(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _smaller)
 
 
 @triton.jit

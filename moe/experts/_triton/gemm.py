@@ -25,7 +25,9 @@ QUANT_CODES = {
     QuantFormat.FP8_ROW: 2,
     QuantFormat.FP8_BLOCK: 3,
     QuantFormat.MXFP4: 4,
+    QuantFormat.NVFP4: 5,
 }
+_FP8_FORMATS = (QuantFormat.FP8_TENSOR, QuantFormat.FP8_ROW, QuantFormat.FP8_BLOCK)
 ACTIVATION_CODES = {
     None: 0,
     ActivationKind.SILU: 1,
@@ -139,17 +141,20 @@ def gemm_launch(
     args = (
         a, a_scale if a_scale is not None else dummy, w.data,
         w.descriptor(tile.block_n, tile.block_k) if tile.tma else dummy,
-        w.scale if w.scale is not None else dummy, w.bias if w.bias is not None else dummy, out,
+        w.scale if w.scale is not None else dummy, w.global_scale if w.global_scale is not None else dummy,
+        w.bias if w.bias is not None else dummy, out,
         *sorted_args,
         num_m_blocks, num_slots, per_expert, num_experts, n_out, k, w.data.shape[1],
         a.stride(0), a.stride(1), *_strides(a_scale, 2),
         *w.data.stride(), *_strides(w.scale, 3), *_strides(w.bias, 2), out.stride(0), out.stride(1),
         *params,
     )
+    weight_only = w.fmt in _FP8_FORMATS and a_scale is None
+    assert not weight_only or w.data.dtype == torch.uint8, "weight-only fp8 reads the e4m3 bits as uint8"
     constexprs = dict(
         ROWS=ROW_CODES[type(rows)], HAS_MAP=has_map, A_ROW_DIV=a_row_div, GATED=gated,
         ACTIVATION=ACTIVATION_CODES[None if act is None else act.kind],
-        QUANT=QUANT_CODES[w.fmt], HAS_BIAS=w.bias is not None, EVEN_K=k % tile.block_k == 0,
+        QUANT=QUANT_CODES[w.fmt], WEIGHT_ONLY=weight_only, HAS_BIAS=w.bias is not None, EVEN_K=k % tile.block_k == 0,
         IEEE=a.dtype == torch.float32, E_PAD=experts_pad(num_experts), W_TMA=tile.tma,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
@@ -167,7 +172,9 @@ def grouped_gemm(
     block_m: int,
     tile: TileConfig,
 ) -> torch.Tensor:
-    """Launches the kernel (no allocation). ``a [rows, K]``, ``out [rows_out, N_out]`` row-major."""
+    """Launches the kernel (no allocation). ``a [rows, K]``, ``out [rows_out, N_out]`` row-major.
+    fp8 weights with unquantized ``a`` (no ``a_scale``) run weight-only: their e4m3 bits (uint8, see
+    weights.py) are decoded in registers."""
     gemm_launch(a, a_scale, w, out, rows, activation, block_m, tile).run()
     return out
 

@@ -15,11 +15,22 @@ from moe.quant import QuantFormat, QuantizedTensor
 # fp8 needs e4m3 tensor-core instructions (Ada, Hopper and newer); the rest runs from Ampere up
 _FP8 = Mode(archs=Archs.from_sm(89), name="fp8",
             arch_reason="{name} ({scheme}) needs {archs} for e4m3 tensor cores (got {got}); use bf16 or mxfp4 weights")
-MODES = {**Mode(archs=Archs.from_sm(80)).serving("unquantized", "mxfp4"), **_FP8.serving("fp8", "fp8_token", "fp8_block")}
-# what both Triton backends declare alike; each adds its format, output kind and who quantizes. Devices:
-# CUDA; the CPU only in Triton's interpreter, which the platform reports (platform_reasons says so)
+_FP8_SCHEMES = ("fp8", "fp8_token", "fp8_block")
+MODES = {**Mode(archs=Archs.from_sm(80)).serving("unquantized", "mxfp4"), **_FP8.serving(*_FP8_SCHEMES)}
+# The standard-format experts also run weight-only (activations stay bf16/fp16, weights dequantized in
+# registers): fp8 where the GPU has no fp8 tensor cores (SM8x before Ada, and Triton refuses e4m3 there),
+# and NVFP4 everywhere (no e2m1 x e2m1 product in Triton); NVFP4's elements are split in groups of 32 as
+# MXFP4's (weights.py), so H and I must be multiples of 32.
+_NO_FP8_TENSOR_CORES = Archs.exactly(80, 86, 87)
+STANDARD_MODES = {
+    **MODES,
+    **Mode(archs=Archs.from_sm(80), weight_only=_NO_FP8_TENSOR_CORES).serving(*_FP8_SCHEMES),
+    **Mode(archs=Archs.from_sm(80), weight_only=Archs(), h_align=32, i_align=32,
+           name="triton (nvfp4 weight-only)").serving("nvfp4"),
+}
+# what both Triton backends declare alike; each adds its modes, format, output kind and who quantizes.
+# Devices: CUDA; the CPU only in Triton's interpreter, which the platform reports (platform_reasons says so)
 COMMON_CAPABILITIES = dict(
-    modes=MODES,
     devices=frozenset({"cuda", "cpu"}),
     libraries=("triton",),
     cuda_graph_safe=True,
@@ -60,6 +71,12 @@ def config_key(problem: MoEProblem, fmt: str, device: torch.device) -> ConfigKey
         format=fmt,
         device=device_name(device),
     )
+
+
+def activation_format(problem: MoEProblem, platform: Platform | None) -> QuantFormat:
+    """The format the standard-format GEMMs read activations in for ``problem`` on ``platform``
+    (`Mode.activation_format`: NONE where the mode runs weight-only)."""
+    return STANDARD_MODES[problem.quant].activation_format(problem.quant, platform)
 
 
 def quant_buffers(fmt: QuantFormat, prefix: str, rows: int, k: int) -> dict:

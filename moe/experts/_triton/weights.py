@@ -1,6 +1,7 @@
 """`TritonWeights`: canonical `ExpertWeights` converted once, at load, for the Triton kernels.
 
-Only MXFP4 changes layout (biases and the other formats keep the canonical one):
+Only the packed fp4 formats change layout (biases and the other formats keep the canonical one); MXFP4
+and NVFP4 alike, their scales being bytes of a different meaning (e8m0 per 32, e4m3 per 16):
 
 - elements: inside each group of 32 along K, byte j holds elements j (low nibble) and j + 16 (high
   nibble), instead of the canonical 2j and 2j + 1. A K-tile then splits into two half-tiles whose A
@@ -10,6 +11,13 @@ Only MXFP4 changes layout (biases and the other formats keep the canonical one):
   so one K step reads, for a tile of rows, one contiguous run of words (4 bytes per row and thread:
   wide enough for Triton's software pipeline, which skips loads under 4 bytes per thread). The
   canonical ``[E, N, K/32]`` bytes made every weight element load its own scale byte, unpipelined.
+  NVFP4's e4m3 bytes ``[E, N, K/16]`` pack the same way: word w holds the scales of elements
+  64w .. 64w + 63 (the low and high halves of groups 2w and 2w + 1), and its fp32 global scale per expert
+  stays beside them (``global_scale``).
+
+Weight-only fp8 (``weight_only``: GPUs without fp8 tensor cores) keeps the e4m3
+payload as its uint8 bit patterns: Triton refuses the e4m3 type itself on SM8x, so the kernel decodes the
+bits (the scales are unchanged).
 """
 
 from __future__ import annotations
@@ -31,18 +39,19 @@ MX_GROUP = 32
 class WeightOperand:
     """One GEMM's weights as the kernel reads them."""
 
-    data: torch.Tensor  # [E, N, K] (MXFP4: uint8 [E, N, K/2] in the half-split layout above)
-    # canonical scale layout of the format; None when dense. MXFP4: int32 words [E, N, W] (above),
+    data: torch.Tensor  # [E, N, K] (MXFP4/NVFP4: uint8 [E, N, K/2] in the half-split layout above)
+    # canonical scale layout of the format; None when dense. MXFP4/NVFP4: int32 words [E, N, W] (above),
     # a transposed view of a contiguous [E, W, N] tensor (strides W*N, 1, N)
     scale: torch.Tensor | None
     bias: torch.Tensor | None  # fp32 [E, N]
     fmt: QuantFormat
+    global_scale: torch.Tensor | None = None  # NVFP4: fp32 [E], the dequantization multiplier per expert
     # TMA descriptors of ``data`` by (BLOCK_N, BLOCK_K), built once (`descriptor`): not per launch
     descriptors: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def k(self) -> int:
-        return self.data.shape[-1] * (2 if self.fmt is QuantFormat.MXFP4 else 1)
+        return self.data.shape[-1] * (2 if self.fmt.is_packed_fp4 else 1)
 
     def descriptor(self, block_n: int, block_k: int):
         """A TMA descriptor of ``data`` as ``[E * R, K]`` with ``[block_n, block_k]`` blocks, made on
@@ -52,7 +61,7 @@ class WeightOperand:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
             data = self.data
-            if self.fmt is QuantFormat.MXFP4 or not data.is_contiguous() or (data.shape[-1] * data.element_size()) % 16:
+            if self.fmt.is_packed_fp4 or not data.is_contiguous() or (data.shape[-1] * data.element_size()) % 16:
                 raise MoEConfigError(
                     f"tma=True needs contiguous dense or fp8 weights with 16-byte rows (got {self.fmt.value}, "
                     f"shape {tuple(data.shape)}, {data.dtype}); use tma=False for this scheme")
@@ -68,6 +77,9 @@ class TritonWeights:
     w2: WeightOperand  # N = H
     expert_map: torch.Tensor | None  # int32 [E] global -> local id (-1: elsewhere); None: identity
     configs: ConfigTable  # launch configs for this shape, scheme and device
+    # True: the GEMMs read unquantized activations whatever the scheme says, and dequantize quantized
+    # weights in registers (support.activation_format decides per device); NVFP4 always
+    weight_only: bool = False
     # MXFP4 with every e8m0 scale byte <= 128 (scales <= 2): the decode kernels' packed bf16
     # dequantization (decode.py) is exact for them
     small_scales: bool = False
@@ -83,8 +95,10 @@ def mxfp4_half_split(packed: torch.Tensor) -> torch.Tensor:
 
 
 def mxfp4_scale_words(scale: torch.Tensor) -> torch.Tensor:
-    """e8m0 bytes ``[E, N, K/32]`` -> int32 words ``[E, N, W]``, word w of row n holding groups
-    4w .. 4w + 3 (byte g % 4 = group g), as a view of a contiguous word-major ``[E, W, N]`` tensor."""
+    """Scale bytes ``[E, N, S]`` (e8m0 per 32, or NVFP4's e4m3 per 16) -> int32 words ``[E, N, W]``,
+    word w of row n holding bytes 4w .. 4w + 3 (byte s % 4 = scale s), W = ceil(S / 4), as a view of a
+    contiguous word-major ``[E, W, N]`` tensor."""
+    scale = scale.view(torch.uint8)
     groups = scale.shape[-1]
     padded = torch.zeros(*scale.shape[:-1], 4 * -(-groups // 4), dtype=torch.uint8, device=scale.device)
     padded[..., :groups] = scale
@@ -93,27 +107,34 @@ def mxfp4_scale_words(scale: torch.Tensor) -> torch.Tensor:
     return words.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
-def to_operand(q, bias: torch.Tensor | None) -> WeightOperand:
+def to_operand(q, bias: torch.Tensor | None, weight_only: bool = False) -> WeightOperand:
+    """``q`` (a weight `QuantizedTensor`) as the kernel reads it; ``weight_only``: fp8 payloads as their
+    uint8 bits (the module docstring)."""
     data, scale = q.data, None if q.scale is None else q.scale.contiguous()
-    if q.fmt is QuantFormat.MXFP4:
+    if q.fmt.is_packed_fp4:
         data, scale = mxfp4_half_split(data), mxfp4_scale_words(scale)
+    elif weight_only and data.dtype == torch.float8_e4m3fn:
+        data = data.view(torch.uint8)
     bias = None if bias is None else bias.float().contiguous()
-    return WeightOperand(data.contiguous(), scale, bias, q.fmt)
+    global_scale = None if q.global_scale is None else q.global_scale.float().contiguous()
+    return WeightOperand(data.contiguous(), scale, bias, q.fmt, global_scale)
 
 
 def prepare_triton_weights(
-    weights: ExpertWeights, expert_map: list[int] | None, configs: ConfigTable
+    weights: ExpertWeights, expert_map: list[int] | None, configs: ConfigTable, *, weight_only: bool = False,
 ) -> TritonWeights:
+    """The kernels' weights; ``weight_only``: the GEMMs will read unquantized activations (`TritonWeights`)."""
     device = weights.device
     identity = expert_map is None or expert_map == list(range(len(expert_map)))
     map_tensor = None if identity else torch.tensor(expert_map, dtype=torch.int32, device=device)
-    w13, w2 = to_operand(weights.w13, weights.b13), to_operand(weights.w2, weights.b2)
+    w13, w2 = to_operand(weights.w13, weights.b13, weight_only), to_operand(weights.w2, weights.b2, weight_only)
     for _, config in configs.configs:  # the table's TMA tiles: descriptors (and their checks) at load
         for operand, tile in ((w13, config.gemm1), (w2, config.gemm2)):
             if tile.tma:
                 operand.descriptor(tile.block_n, tile.block_k)
     small = all(mxfp4_scales_small(operand) for operand in (w13, w2))
-    return TritonWeights(w13=w13, w2=w2, expert_map=map_tensor, configs=configs, small_scales=small)
+    return TritonWeights(w13=w13, w2=w2, expert_map=map_tensor, configs=configs, weight_only=weight_only,
+                         small_scales=small)
 
 
 def mxfp4_scales_small(operand: WeightOperand) -> bool:
