@@ -18,7 +18,7 @@ The weight format lives in `_weight_half_tiles` and its scale decoders: NVFP4 pl
 import triton
 import triton.language as tl
 
-from moe.experts._triton._gemm import _activate, _dot, _mxfp4_half_tiles
+from moe.experts._triton._gemm import _MXFP4, _activate, _dot, _fp4_half_tiles
 from moe.experts._triton._lang import cdiv_, cumsum_, sum_
 
 # e2m1 codes of 4 bytes -> 8 bfloat16 values times the scale, 2 per register. The code's magnitude
@@ -70,10 +70,10 @@ def _e8m0_bf16_biased(scale_bytes):
 def _weight_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, dtype: tl.constexpr, EVEN_K: tl.constexpr,
                        ASM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """One K step of MXFP4 weights dequantized: the ``[BLOCK_K/2, BLOCK_N]`` half-tiles of the low
-    and high nibbles (weights.py's half-split layout; pointers as in `_gemm._mxfp4_half_tiles`).
+    and high nibbles (weights.py's half-split layout; pointers as in `_gemm._fp4_half_tiles`).
     ``ASM``: packed bf16x2 PTX (4 bytes per call, bfloat16 only); else `_gemm`'s exact float32 math."""
     if not ASM:
-        low, high = _mxfp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, dtype, EVEN_K, BLOCK_K, BLOCK_N)
+        low, high = _fp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, _MXFP4, dtype, EVEN_K, BLOCK_K, BLOCK_N)
     else:
         if EVEN_K:
             packed = tl.load(w_ptrs)
