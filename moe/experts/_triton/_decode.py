@@ -68,12 +68,16 @@ def _e8m0_bf16_biased(scale_bytes):
 
 @triton.jit
 def _weight_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, dtype: tl.constexpr, EVEN_K: tl.constexpr,
-                       ASM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One K step of MXFP4 weights dequantized: the ``[BLOCK_K/2, BLOCK_N]`` half-tiles of the low
-    and high nibbles (weights.py's half-split layout; pointers as in `_gemm._fp4_half_tiles`).
-    ``ASM``: packed bf16x2 PTX (4 bytes per call, bfloat16 only); else `_gemm`'s exact float32 math."""
+                       ASM: tl.constexpr, NK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One K step of MXFP4 weights dequantized: the half-tiles of the low and high nibbles (weights.py's
+    half-split layout), ``[BLOCK_K/2, BLOCK_N]``, or with ``NK`` ``[BLOCK_N, BLOCK_K/2]`` from pointers
+    ``[BLOCK_N, G, 16]`` (each thread's registers run along K, as the MMA's first operand wants them).
+    ``ASM``: packed bf16x2 PTX (4 bytes per call, bfloat16 only); else `_gemm`'s exact float32 math
+    (pointers ``[G, 16, BLOCK_N]``, transposed after for ``NK``)."""
     if not ASM:
         low, high = _fp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, _MXFP4, dtype, EVEN_K, BLOCK_K, BLOCK_N)
+        if NK:
+            low, high = tl.trans(low), tl.trans(high)
     else:
         if EVEN_K:
             packed = tl.load(w_ptrs)
@@ -84,22 +88,45 @@ def _weight_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, dtype: tl.constexpr, EV
         scale = _e8m0_bf16_biased((words >> shifts) & 255)
         low, high = tl.inline_asm_elementwise(_E2M1_BF16X2, "=r,=r,=r,=r,r,r,r", [packed, scale],
                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-        low = tl.reshape(low.to(dtype), (BLOCK_K // 2, BLOCK_N))
-        high = tl.reshape(high.to(dtype), (BLOCK_K // 2, BLOCK_N))
+        if NK:
+            low = tl.reshape(low.to(dtype), (BLOCK_N, BLOCK_K // 2))
+            high = tl.reshape(high.to(dtype), (BLOCK_N, BLOCK_K // 2))
+        else:
+            low = tl.reshape(low.to(dtype), (BLOCK_K // 2, BLOCK_N))
+            high = tl.reshape(high.to(dtype), (BLOCK_K // 2, BLOCK_N))
     return low, high
 
 
 @triton.jit
 def _accumulate(acc, a_lo, a_hi, w_lo, w_hi, DOT: tl.constexpr, IEEE: tl.constexpr):
-    """``acc += a_lo @ w_lo + a_hi @ w_hi``: tensor cores (``DOT``, acc ``[BLOCK_M, BLOCK_N]``), or
-    float32 FMAs into ``[BLOCK_M, BLOCK_K/2, BLOCK_N]`` reduced over K after the loop (few rows)."""
+    """``acc += a_lo @ w_lo + a_hi @ w_hi``. ``DOT``: tensor cores with the operands swapped,
+    ``acc^T [BLOCK_N, BLOCK_M] += w^T @ a^T`` (W given as ``[BLOCK_N, BLOCK_K/2]``, A transposed): the
+    dequantized weights are the MMA's first operand, which may stay in registers, and the few
+    activation rows are the narrow second one. Else float32 FMAs into ``[BLOCK_M, BLOCK_K/2,
+    BLOCK_N]``, reduced over K after the loop (few rows)."""
     # if/else rather than an early return: Triton on the GPU type-checks the code after a constexpr return
     if DOT:
-        acc = _dot(a_hi, w_hi, _dot(a_lo, w_lo, acc, IEEE), IEEE)
+        acc = _dot(w_hi, a_hi, _dot(w_lo, a_lo, acc, IEEE), IEEE)
     else:
         lo = a_lo.to(tl.float32)[:, :, None] * w_lo.to(tl.float32)[None, :, :]
         acc = acc + lo + a_hi.to(tl.float32)[:, :, None] * w_hi.to(tl.float32)[None, :, :]
     return acc
+
+
+@triton.jit
+def _a_pointers(a_ptr, a_rows, row_ok, stride_am, k0, groups_left, DOT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A's low half-tile pointers and mask at K offset ``k0`` (the high half is 16 further): ``[BLOCK_M,
+    BLOCK_K/2]``, or transposed ``[BLOCK_K/2, BLOCK_M]`` for the swapped MMA (``DOT``)."""
+    offs_b = tl.arange(0, BLOCK_K // 2)
+    k_low = k0 + (offs_b // 16) * 32 + offs_b % 16
+    k_ok = (offs_b // 16) < groups_left
+    if DOT:
+        ptrs = a_ptr + a_rows[None, :] * stride_am + k_low[:, None]
+        ok = row_ok[None, :] & k_ok[:, None]
+    else:
+        ptrs = a_ptr + a_rows[:, None] * stride_am + k_low[None, :]
+        ok = row_ok[:, None] & k_ok[None, :]
+    return ptrs, ok
 
 
 @triton.jit
@@ -108,29 +135,32 @@ def _k_loop(acc, acc_up, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wn, ws
             GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
             ASM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """K steps ``k_first .. k_last - 1`` of one row chunk; the half-tiles' A columns are runs of 16."""
-    offs_b = tl.arange(0, BLOCK_K // 2)
-    k_low = (offs_b // 16) * 32 + offs_b % 16
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + (k_first * BLOCK_K + k_low)[None, :]
-    g3 = tl.arange(0, BLOCK_K // 32)[:, None, None]
-    n3 = offs_n[None, None, :]
-    w_ptrs = w_base + n3 * stride_wn + (k_first * (BLOCK_K // 2) + g3 * 16 + tl.arange(0, 16)[None, :, None])
+    NK: tl.constexpr = DOT and ASM  # weight pointers [BLOCK_N, G, 16]; else [G, 16, BLOCK_N]
+    if NK:
+        g3 = tl.arange(0, BLOCK_K // 32)[None, :, None]
+        n3 = offs_n[:, None, None]
+        j3 = tl.arange(0, 16)[None, None, :]
+    else:
+        g3 = tl.arange(0, BLOCK_K // 32)[:, None, None]
+        n3 = offs_n[None, None, :]
+        j3 = tl.arange(0, 16)[None, :, None]
+    w_ptrs = w_base + n3 * stride_wn + (k_first * (BLOCK_K // 2) + g3 * 16 + j3)
     s_base = ws_base + n3 * stride_wsn
     for kk in range(k_first, k_last):
         group = kk * (BLOCK_K // 32) + g3
         groups_left = K // 32 - kk * (BLOCK_K // 32)
-        a_ok = row_ok[:, None] & ((offs_b // 16)[None, :] < groups_left)
+        a_ptrs, a_ok = _a_pointers(a_ptr, a_rows, row_ok, stride_am, kk * BLOCK_K, groups_left, DOT, BLOCK_K)
         a_lo = tl.load(a_ptrs, mask=a_ok, other=0.0)
         a_hi = tl.load(a_ptrs + 16, mask=a_ok, other=0.0)
         s_ptrs = s_base + (group // 4) * stride_wsk
         shifts = (group % 4) * 8
         w_lo, w_hi = _weight_half_tiles(w_ptrs, s_ptrs, shifts, g3 < groups_left, a_lo.dtype, EVEN_K, ASM,
-                                        BLOCK_K, BLOCK_N)
+                                        DOT, BLOCK_K, BLOCK_N)
         acc = _accumulate(acc, a_lo, a_hi, w_lo, w_hi, DOT, IEEE)
         if GATED:  # the up rows: N further down, in the data and in the scale words alike
             w_lo, w_hi = _weight_half_tiles(w_ptrs + N * stride_wn, s_ptrs + N * stride_wsn, shifts,
-                                            g3 < groups_left, a_lo.dtype, EVEN_K, ASM, BLOCK_K, BLOCK_N)
+                                            g3 < groups_left, a_lo.dtype, EVEN_K, ASM, DOT, BLOCK_K, BLOCK_N)
             acc_up = _accumulate(acc_up, a_lo, a_hi, w_lo, w_hi, DOT, IEEE)
-        a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 2
     return acc, acc_up
 
@@ -189,14 +219,16 @@ def decode_gemm_kernel(
         else:
             slots = start + rows * 0
         slots = slots.to(tl.int64)
-        if DOT:
-            acc = tl.full([BLOCK_M, BLOCK_N], 0, tl.float32)
+        if DOT:  # transposed (see `_accumulate`)
+            acc = tl.full([BLOCK_N, BLOCK_M], 0, tl.float32)
         else:
             acc = tl.full([BLOCK_M, BLOCK_K // 2, BLOCK_N], 0, tl.float32)
         acc, acc_up = _k_loop(acc, acc, a_ptr, slots // A_ROW_DIV, row_ok, stride_am, w_base, stride_wn,
                               ws_base, stride_wsn, stride_wsk, offs_n, N, K, k_first, k_last,
                               GATED, EVEN_K, IEEE, DOT, ASM, BLOCK_K, BLOCK_N)
-        if not DOT:
+        if DOT:
+            acc, acc_up = tl.trans(acc), tl.trans(acc_up)
+        else:
             acc, acc_up = sum_(acc, 1), sum_(acc_up, 1)
         mask = row_ok[:, None] & n_ok[None, :]
         if FUSED:  # one split: the whole sum is here; bias and activation, then the output
