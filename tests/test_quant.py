@@ -539,3 +539,33 @@ def test_quantize_check_finite_false_skips_the_scan(fmt):
     x[0, 0] = float("nan")
     q = quantize(x, fmt, "activation", check_finite=False)
     assert not torch.isfinite(dequantize(q)).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp8_tensor", "fp8_row", "fp8_block", "mxfp8", "mxfp4", "nvfp4"])
+def test_weights_quantized_in_chunks_of_experts_equal_the_whole(fmt, monkeypatch):
+    """Big weights are quantized a few experts at a time (bounded temporaries); every weight scale is per
+    expert or finer, so the chunks must give exactly the bytes and scales of one call over all experts."""
+    from moe.quant import tensor as qt
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 256, 128) * torch.logspace(-2, 2, 5).view(5, 1, 1)  # experts of very different scale
+    whole = qt.quantize(x, fmt, "weight")
+    monkeypatch.setattr(qt, "WEIGHT_CHUNK_ELEMENTS", 2 * 256 * 128)  # 2 experts a chunk: 3 uneven chunks
+    chunked = qt.quantize(x, fmt, "weight")
+    for name in ("data", "scale", "global_scale"):
+        want, got = getattr(whole, name), getattr(chunked, name)
+        assert (want is None) == (got is None), name
+        if want is not None:
+            assert got.shape == want.shape and got.dtype == want.dtype, name
+            assert torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1 else got,
+                               want.view(torch.uint8) if want.dtype.itemsize == 1 else want), name
+
+
+def test_chunked_weight_quantization_still_refuses_a_nan_in_a_later_chunk(monkeypatch):
+    from moe.quant import tensor as qt
+
+    x = torch.randn(4, 32, 64)
+    x[3, 5, 7] = float("nan")
+    monkeypatch.setattr(qt, "WEIGHT_CHUNK_ELEMENTS", 32 * 64)
+    with pytest.raises(MoEConfigError, match="x contains NaN"):
+        qt.quantize(x, "mxfp4", "weight")

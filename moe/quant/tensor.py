@@ -103,17 +103,34 @@ class QuantizedTensor:
         return torch.Size((*self.data.shape[:-1], 2 * self.data.shape[-1]))
 
 
+# Weights are quantized this many elements at a time (whole experts): the quantizers hold a few float32
+# and int64 copies of their input, which for a whole GPT-OSS-120B w13 (2.1 G elements) is ~60 GB.
+WEIGHT_CHUNK_ELEMENTS = 1 << 27
+
+
 def quantize(
     x: torch.Tensor, fmt: QuantFormat, role: Role, *, check_finite: bool = True
 ) -> QuantizedTensor:
     """Store ``x`` (weight ``[E, N, K]`` or activation ``[M, K]``) in ``fmt``; see the table.
 
     ``check_finite=False`` skips the NaN/inf scan (a host sync on GPU); for the hot path only.
+    Weights are quantized a few experts at a time (every weight scale is per expert or finer, so
+    the result is the same) to bound the temporaries' memory.
     """
-    finite = dict(check_finite=check_finite)
     fmt = QuantFormat.parse(fmt)
     _check_role(role)
     _check_rank(x, role)
+    per_chunk = max(1, WEIGHT_CHUNK_ELEMENTS // max(1, x[0].numel())) if role == "weight" and len(x) else 0
+    if fmt is QuantFormat.NONE or not per_chunk or len(x) <= per_chunk:
+        return _quantize_whole(x, fmt, role, check_finite)
+    parts = [_quantize_whole(x[i : i + per_chunk], fmt, role, check_finite) for i in range(0, len(x), per_chunk)]
+    joined = {name: None if getattr(parts[0], name) is None else torch.cat([getattr(q, name) for q in parts])
+              for name in ("data", "scale", "global_scale")}
+    return QuantizedTensor(**joined, fmt=fmt, role=role)
+
+
+def _quantize_whole(x: torch.Tensor, fmt: QuantFormat, role: Role, check_finite: bool) -> QuantizedTensor:
+    finite = dict(check_finite=check_finite)
     batch_dims = 1 if role == "weight" else 0  # weights get per-expert tensor/global scales
     global_scale = None
     if fmt is QuantFormat.NONE:
