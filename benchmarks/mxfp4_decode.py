@@ -43,7 +43,19 @@ DOT_TILES = [(32, 128, 1, 4, 3, True), (32, 128, 2, 4, 3, True), (64, 128, 1, 4,
              (64, 128, 1, 4, 3, False)]
 
 
-def candidates(tokens: int) -> list[DecodeTile]:
+def parse_tiles(text: str) -> list[DecodeTile]:
+    """``n:k:splits:block_m:warps:stages`` tiles, comma-separated (block_m 1..8: float32 FMAs, else
+    tensor cores), all with the packed dequantization."""
+    tiles = []
+    for item in text.split(","):
+        n, k, splits, block_m, warps, stages = (int(v) for v in item.split(":"))
+        tiles.append(DecodeTile(n, k, splits, block_m, block_m >= 16, True, warps, stages))
+    return tiles
+
+
+def candidates(tokens: int, only: list[DecodeTile] | None = None) -> list[DecodeTile]:
+    if only:
+        return list(only)
     tiles = []
     if tokens <= 16:
         block_m = 1 if tokens == 1 else 2
@@ -100,8 +112,8 @@ class Sweep:
         self.results[key] = round(us, 2)
         return us
 
-    def best(self, tokens: int) -> tuple[DecodeConfig | None, float]:
-        tiles = candidates(tokens)
+    def best(self, tokens: int, only: list[DecodeTile] | None = None) -> tuple[DecodeConfig | None, float]:
+        tiles = candidates(tokens, only)
         timed = [(self.time(DecodeConfig(t, t)), t) for t in tiles]
         timed = [(us, t) for us, t in timed if us is not None]
         if not timed:
@@ -131,6 +143,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64")
     parser.add_argument("--out", default=None)
     parser.add_argument("--budget-s", type=float, default=200.0, help="stop sweeping configs after this")
+    parser.add_argument("--tiles", default=None, help="sweep only these tiles: n:k:splits:block_m:warps:stages,...")
     args = parser.parse_args(argv)
     import moe.experts.flashinfer_cutlass  # noqa: F401 -- registers the peer
     from moe.platform import Platform
@@ -154,7 +167,7 @@ def main(argv=None) -> int:
         grouped = time_calls(grouped_calls, True)
         triton_experts.uses_decode = uses_decode
         sweep = Sweep(problem, weights, inputs, device, want, deadline)
-        config, best = sweep.best(m)
+        config, best = sweep.best(m, parse_tiles(args.tiles) if args.tiles else None)
         triton_experts.decode_config = decode_config
         fi = peer_us("flashinfer_cutlass", problem, weights, inputs, device, platform)
         report["timings"][m] = sweep.results
