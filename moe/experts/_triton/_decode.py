@@ -18,7 +18,7 @@ The weight format lives in `_weight_half_tiles` and its scale decoders: NVFP4 pl
 import triton
 import triton.language as tl
 
-from moe.experts._triton._gemm import _MXFP4, _activate, _dot, _e2m1_scaled, _e8m0_factor, _fp4_half_tiles
+from moe.experts._triton._gemm import _MXFP4, _activate, _dot, _fp4_half_tiles
 from moe.experts._triton._lang import cdiv_, cumsum_, sum_
 
 # e2m1 codes of 4 bytes -> 8 bfloat16 values times the scale, 2 per register. The code's magnitude
@@ -69,8 +69,8 @@ def _e8m0_bf16_biased(scale_bytes):
 @triton.jit
 def _weight_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, dtype: tl.constexpr, EVEN_K: tl.constexpr,
                        ASM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One K step of MXFP4 weights dequantized for the FMA path: the ``[BLOCK_K/2, BLOCK_N]`` half-tiles
-    of the low and high nibbles (weights.py's half-split layout; pointers as in `_gemm._fp4_half_tiles`).
+    """One K step of MXFP4 weights dequantized: the ``[BLOCK_K/2, BLOCK_N]`` half-tiles of the low
+    and high nibbles (weights.py's half-split layout; pointers as in `_gemm._fp4_half_tiles`).
     ``ASM``: packed bf16x2 PTX (4 bytes per call, bfloat16 only); else `_gemm`'s exact float32 math."""
     if not ASM:
         low, high = _fp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, _MXFP4, dtype, EVEN_K, BLOCK_K, BLOCK_N)
@@ -90,55 +90,15 @@ def _weight_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, dtype: tl.constexpr, EV
 
 
 @triton.jit
-def _e2m1_exact(codes, dtype: tl.constexpr):
-    """4-bit e2m1 codes (int32, sign in bit 3) as ``dtype`` values, exactly and unscaled: magnitude codes
-    2..7 put their exponent and mantissa bits under a biased exponent, 1 (0.5) and 0 are constants.
-    Elementwise, constants only: the compiler can do it in the MMA operand's own registers."""
-    mag = codes & 7
-    if dtype == tl.float32:
-        bits = tl.where(mag >= 2, (mag << 22) + (126 << 23), tl.where(mag == 1, 0x3F000000, 0)) | ((codes & 8) << 28)
-        value = bits.to(tl.float32, bitcast=True)
-    elif dtype == tl.float16:
-        bits = tl.where(mag >= 2, (mag << 9) + (14 << 10), tl.where(mag == 1, 0x3800, 0)) | ((codes & 8) << 12)
-        value = bits.to(tl.int16).to(tl.float16, bitcast=True)
-    else:
-        bits = tl.where(mag >= 2, (mag << 6) + (126 << 7), tl.where(mag == 1, 0x3F00, 0)) | ((codes & 8) << 12)
-        value = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return value
-
-
-@triton.jit
-def _swapped_group(acc, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, g, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
-    """``acc^T += scale[n, g] * (W_lo^T a_lo^T + W_hi^T a_hi^T)`` over one MXFP4 group ``g`` (32 K):
-    ``w_ptrs [BLOCK_N, 16]`` its bytes, ``a_ptrs [16, BLOCK_M]`` the low half's A columns (the high
-    half's are 16 further), ``s_ptrs [BLOCK_N]`` the rows' scale words. The group's e8m0 scale is a
-    factor of each output row, applied to the two MMAs' sum in float32 rather than to the weights, so
-    the weights decode with constants only (`_e2m1_exact`)."""
-    if EVEN_K:
-        packed = tl.load(w_ptrs).to(tl.int32)
-        words = tl.load(s_ptrs)
-    else:
-        packed = tl.load(w_ptrs, mask=w_ok, other=0).to(tl.int32)
-        words = tl.load(s_ptrs, mask=w_ok, other=0)
-    a_lo = tl.load(a_ptrs, mask=a_ok, other=0.0)
-    a_hi = tl.load(a_ptrs + 16, mask=a_ok, other=0.0)
-    part = _dot(_e2m1_exact(packed & 15, a_lo.dtype), a_lo, None, IEEE)
-    part = _dot(_e2m1_exact(packed >> 4, a_lo.dtype), a_hi, part, IEEE)
-    # 2**(byte - 127) (byte 0, 2**-127, reads as 0: not a normal float32)
-    scale = (((words >> ((g % 4) * 8)) & 255) << 23).to(tl.float32, bitcast=True)
-    return acc + part * scale[:, None]
-
-
-@triton.jit
 def _accumulate(acc, a_lo, a_hi, w_lo, w_hi, DOT: tl.constexpr, IEEE: tl.constexpr):
     """``acc += a_lo @ w_lo + a_hi @ w_hi``. ``DOT``: tensor cores with the operands swapped,
-    ``acc^T [BLOCK_N, BLOCK_M] += w^T @ a^T`` (W given as ``[BLOCK_N, BLOCK_K/2]``, A transposed): the
+    ``acc^T [BLOCK_N, BLOCK_M] += w^T @ a^T`` (A given transposed, ``[BLOCK_K/2, BLOCK_M]``): the
     dequantized weights are the MMA's first operand, which may stay in registers, and the few
     activation rows are the narrow second one. Else float32 FMAs into ``[BLOCK_M, BLOCK_K/2,
     BLOCK_N]``, reduced over K after the loop (few rows)."""
     # if/else rather than an early return: Triton on the GPU type-checks the code after a constexpr return
     if DOT:
-        acc = _dot(w_hi, a_hi, _dot(w_lo, a_lo, acc, IEEE), IEEE)
+        acc = _dot(tl.trans(w_hi), a_hi, _dot(tl.trans(w_lo), a_lo, acc, IEEE), IEEE)
     else:
         lo = a_lo.to(tl.float32)[:, :, None] * w_lo.to(tl.float32)[None, :, :]
         acc = acc + lo + a_hi.to(tl.float32)[:, :, None] * w_hi.to(tl.float32)[None, :, :]
@@ -162,58 +122,31 @@ def _a_pointers(a_ptr, a_rows, row_ok, stride_am, k0, groups_left, DOT: tl.const
 
 
 @triton.jit
-def _swapped_k_loop(acc, acc_up, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wn, ws_base, stride_wsn,
-                    stride_wsk, offs_n, N, K, k_first, k_last,
-                    GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The tensor-core K loop (`_accumulate`'s swapped MMA), one MXFP4 group at a time."""
-    j = tl.arange(0, 16)
-    w_rows = w_base + offs_n[:, None] * stride_wn + j[None, :]
-    s_rows = ws_base + offs_n * stride_wsn
-    a_cols = a_ptr + a_rows[None, :] * stride_am + j[:, None]
-    for kk in range(k_first, k_last):
-        for i in tl.static_range(BLOCK_K // 32):
-            g = kk * (BLOCK_K // 32) + i
-            ok = g < K // 32
-            w_ptrs = w_rows + g * 16
-            s_ptrs = s_rows + (g // 4) * stride_wsk
-            acc = _swapped_group(acc, a_cols + g * 32, row_ok[None, :] & ok, w_ptrs, ok, s_ptrs, g, EVEN_K, IEEE)
-            if GATED:  # the up rows: N further down, in the data and in the scale words alike
-                acc_up = _swapped_group(acc_up, a_cols + g * 32, row_ok[None, :] & ok, w_ptrs + N * stride_wn, ok,
-                                        s_ptrs + N * stride_wsn, g, EVEN_K, IEEE)
-    return acc, acc_up
-
-
-@triton.jit
 def _k_loop(acc, acc_up, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wn, ws_base, stride_wsn,
             stride_wsk, offs_n, N, K, k_first, k_last,
             GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
             ASM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """K steps ``k_first .. k_last - 1`` of one row chunk; the half-tiles' A columns are runs of 16."""
-    if DOT:
-        acc, acc_up = _swapped_k_loop(acc, acc_up, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wn, ws_base,
-                                      stride_wsn, stride_wsk, offs_n, N, K, k_first, k_last,
-                                      GATED, EVEN_K, IEEE, BLOCK_K)
-    else:
-        g3 = tl.arange(0, BLOCK_K // 32)[:, None, None]
-        n3 = offs_n[None, None, :]
-        w_ptrs = w_base + n3 * stride_wn + (k_first * (BLOCK_K // 2) + g3 * 16 + tl.arange(0, 16)[None, :, None])
-        s_base = ws_base + n3 * stride_wsn
-        for kk in range(k_first, k_last):
-            groups_left = K // 32 - kk * (BLOCK_K // 32)
-            a_ptrs, a_ok = _a_pointers(a_ptr, a_rows, row_ok, stride_am, kk * BLOCK_K, groups_left, DOT, BLOCK_K)
-            a_lo = tl.load(a_ptrs, mask=a_ok, other=0.0)
-            a_hi = tl.load(a_ptrs + 16, mask=a_ok, other=0.0)
-            group = kk * (BLOCK_K // 32) + g3
-            s_ptrs = s_base + (group // 4) * stride_wsk
-            shifts = (group % 4) * 8
-            w_lo, w_hi = _weight_half_tiles(w_ptrs, s_ptrs, shifts, g3 < groups_left, a_lo.dtype, EVEN_K, ASM,
-                                            BLOCK_K, BLOCK_N)
-            acc = _accumulate(acc, a_lo, a_hi, w_lo, w_hi, DOT, IEEE)
-            if GATED:  # the up rows: N further down, in the data and in the scale words alike
-                w_lo, w_hi = _weight_half_tiles(w_ptrs + N * stride_wn, s_ptrs + N * stride_wsn, shifts,
-                                                g3 < groups_left, a_lo.dtype, EVEN_K, ASM, BLOCK_K, BLOCK_N)
-                acc_up = _accumulate(acc_up, a_lo, a_hi, w_lo, w_hi, DOT, IEEE)
-            w_ptrs += BLOCK_K // 2
+    g3 = tl.arange(0, BLOCK_K // 32)[:, None, None]
+    n3 = offs_n[None, None, :]
+    w_ptrs = w_base + n3 * stride_wn + (k_first * (BLOCK_K // 2) + g3 * 16 + tl.arange(0, 16)[None, :, None])
+    s_base = ws_base + n3 * stride_wsn
+    for kk in range(k_first, k_last):
+        group = kk * (BLOCK_K // 32) + g3
+        groups_left = K // 32 - kk * (BLOCK_K // 32)
+        a_ptrs, a_ok = _a_pointers(a_ptr, a_rows, row_ok, stride_am, kk * BLOCK_K, groups_left, DOT, BLOCK_K)
+        a_lo = tl.load(a_ptrs, mask=a_ok, other=0.0)
+        a_hi = tl.load(a_ptrs + 16, mask=a_ok, other=0.0)
+        s_ptrs = s_base + (group // 4) * stride_wsk
+        shifts = (group % 4) * 8
+        w_lo, w_hi = _weight_half_tiles(w_ptrs, s_ptrs, shifts, g3 < groups_left, a_lo.dtype, EVEN_K, ASM,
+                                        BLOCK_K, BLOCK_N)
+        acc = _accumulate(acc, a_lo, a_hi, w_lo, w_hi, DOT, IEEE)
+        if GATED:  # the up rows: N further down, in the data and in the scale words alike
+            w_lo, w_hi = _weight_half_tiles(w_ptrs + N * stride_wn, s_ptrs + N * stride_wsn, shifts,
+                                            g3 < groups_left, a_lo.dtype, EVEN_K, ASM, BLOCK_K, BLOCK_N)
+            acc_up = _accumulate(acc_up, a_lo, a_hi, w_lo, w_hi, DOT, IEEE)
+        w_ptrs += BLOCK_K // 2
     return acc, acc_up
 
 

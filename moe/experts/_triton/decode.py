@@ -68,11 +68,11 @@ class DecodeConfig:
     gemm2: DecodeTile
 
 
-# by M (tokens), the nearest bucket at or below M; benchmarks/mxfp4_decode.py measures candidates
+# by M (tokens), the nearest bucket at or below M: the fastest of benchmarks/mxfp4_decode.py's sweep on an
+# H100 (GPT-OSS-120B's shape, bf16, 49 candidates per M; benchmarks/results/mxfp4_decode_nvidia-h100.md)
 DECODE_CONFIGS = {
-    1: DecodeConfig(DecodeTile(32, 128, 2, 1, False), DecodeTile(32, 128, 2, 1, False)),
-    4: DecodeConfig(DecodeTile(32, 128, 2, 4, False), DecodeTile(32, 128, 2, 4, False)),
-    8: DecodeConfig(DecodeTile(32, 128, 1, 16, True), DecodeTile(32, 128, 2, 16, True)),
+    1: DecodeConfig(DecodeTile(64, 64, 4, 16, True, True, 4, 4), DecodeTile(16, 256, 2, 1, False, True, 4, 3)),
+    2: DecodeConfig(DecodeTile(64, 128, 1, 16, True, True, 4, 3), DecodeTile(64, 128, 1, 16, True, True, 4, 3)),
 }
 
 
