@@ -2,6 +2,8 @@
 
 One forward, all on the GPU, no host sync, CUDA-graph capturable (shapes depend on M only)::
 
+    (MXFP4 weights x unquantized activations, M * k <= 256: `_triton/decode.py` instead,
+    split-K over all SMs, each expert's weights read once per forward)
     align      topk ids -> rows sorted by local expert, padded to BLOCK_M     (_triton/align.py)
                (decode configs skip it: one program per slot, "direct")
     quantize   x -> fp8 when the scheme quantizes activations                 (_triton/rows.py)
@@ -26,6 +28,8 @@ import torch
 from moe.experts._triton.align import align_block_size
 from moe.experts._triton.align import workspace_buffers as align_buffers
 from moe.experts._triton.config import BLOCK_MS, ConfigTable
+from moe.experts._triton.decode import decode_config, decode_experts, uses_decode
+from moe.experts._triton.decode import workspace_buffers as decode_buffers
 from moe.experts._triton.gemm import DirectRows, SortedRows, grouped_gemm
 from moe.experts._triton.rows import RowValidity, combine_slots_kernel
 from moe.experts._triton.support import (
@@ -94,6 +98,8 @@ class TritonExperts(Experts):
             **align_buffers(slots, p.local_num_experts, BLOCK_MS),
             **quant_buffers(act, "x", tokens, p.hidden_size),
             **quant_buffers(act, "inter", slots, p.intermediate_size),
+            **(decode_buffers(slots, p.w13_rows, p.hidden_size) if p.quant.weight is QuantFormat.MXFP4
+               and act is QuantFormat.NONE else {}),
         )
 
     def apply(self, dispatched: Dispatched, weights: TritonWeights, workspace: Workspace) -> ExpertsOutput:
@@ -104,8 +110,12 @@ class TritonExperts(Experts):
         out = workspace["out"][:tokens]
         if tokens == 0:
             return ExpertsOutput(OutputKind.REDUCED, out)
-        config = weights.configs.lookup(tokens)
         ids = dispatched.topk.ids
+        if dispatched.x.fmt is QuantFormat.NONE and uses_decode(weights, p.quant.activation, slots):
+            return ExpertsOutput(OutputKind.REDUCED, decode_experts(
+                dispatched.x.data, ids, dispatched.topk.weights, weights, p.activation, p.local_num_experts,
+                decode_config(tokens), workspace, out))
+        config = weights.configs.lookup(tokens)
         # 1. routing -> blocks of rows sorted by expert (or, for decode, one program per slot)
         if config.direct:
             rows1 = DirectRows(ids.reshape(-1), weights.expert_map, k)

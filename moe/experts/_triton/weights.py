@@ -80,6 +80,9 @@ class TritonWeights:
     # True: the GEMMs read unquantized activations whatever the scheme says, and dequantize quantized
     # weights in registers (support.activation_format decides per device); NVFP4 always
     weight_only: bool = False
+    # MXFP4 with every e8m0 scale byte <= 128 (scales <= 2): the decode kernels' packed bf16
+    # dequantization (decode.py) is exact for them
+    small_scales: bool = False
 
 
 def mxfp4_half_split(packed: torch.Tensor) -> torch.Tensor:
@@ -129,4 +132,14 @@ def prepare_triton_weights(
         for operand, tile in ((w13, config.gemm1), (w2, config.gemm2)):
             if tile.tma:
                 operand.descriptor(tile.block_n, tile.block_k)
-    return TritonWeights(w13=w13, w2=w2, expert_map=map_tensor, configs=configs, weight_only=weight_only)
+    small = all(mxfp4_scales_small(operand) for operand in (w13, w2))
+    return TritonWeights(w13=w13, w2=w2, expert_map=map_tensor, configs=configs, weight_only=weight_only,
+                         small_scales=small)
+
+
+def mxfp4_scales_small(operand: WeightOperand) -> bool:
+    """Whether an MXFP4 operand's scale bytes are all <= 128 (one host sync, at load)."""
+    if operand.fmt is not QuantFormat.MXFP4:
+        return False
+    words = operand.scale
+    return max(int(((words >> shift) & 255).max()) for shift in (0, 8, 16, 24)) <= 128

@@ -1,0 +1,201 @@
+"""MXFP4 W4A16 decode on a CUDA GPU: the decode kernels (`moe/experts/_triton/decode.py`) over a
+sweep of launch configs, beside the Triton experts' grouped-GEMM path and FlashInfer CUTLASS.
+
+    python benchmarks/mxfp4_decode.py [--out best.json] [--tokens 1,2,4,8,16,32,64] [--budget-s 200]
+
+GPT-OSS-120B's shape (E=128, k=4, H=I=2880, swiglu_oai, biases), bf16 activations. Every call is
+timed inside a CUDA graph (median of many replays, rotating 4 routings). Per M: each candidate
+config's output is checked against the grouped-GEMM path's first (a wrong or failing config is
+listed, never picked); the best config is found coordinate-wise (both GEMMs on one tile, then
+GEMM2's tile alone). The roofline is the weight bytes of the experts hit (4.25 bits per weight)
+over the memory bandwidth (H100 3.0 TB/s, H200 4.2 TB/s). Prints a markdown table; writes the best
+config per M (`DecodeConfig` fields) and every timing as JSON to --out or $OUT/mxfp4_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import moe.experts.triton as triton_experts  # noqa: E402
+from moe.experts._triton.decode import DecodeConfig, DecodeTile  # noqa: E402
+from moe.presets import load_preset  # noqa: E402
+from moe.registry import get_experts  # noqa: E402
+from moe.tools.bench import backend_calls, build_weights, make_inputs, time_calls  # noqa: E402
+
+BANDWIDTH_TBS = {"H100": 3.0, "H200": 4.2}
+# (block_n, block_k, splits, num_warps, num_stages, asm)
+FMA_TILES = [(32, 128, 1, 4, 3, True), (32, 128, 2, 4, 3, True), (32, 128, 4, 4, 3, True), (32, 256, 2, 4, 3, True),
+             (64, 128, 1, 4, 3, True), (64, 128, 2, 4, 3, True), (16, 256, 2, 4, 3, True), (64, 64, 4, 4, 4, True),
+             (32, 256, 1, 8, 3, True), (16, 128, 4, 2, 4, True), (32, 128, 2, 4, 3, False), (64, 128, 2, 4, 3, False)]
+DOT_TILES = [(32, 128, 1, 4, 3, True), (32, 128, 2, 4, 3, True), (64, 128, 1, 4, 3, True), (64, 128, 2, 4, 4, True),
+             (32, 256, 2, 4, 3, True), (64, 256, 1, 8, 3, True), (16, 128, 2, 4, 4, True), (128, 128, 1, 8, 3, True),
+             (64, 64, 4, 4, 4, True), (32, 128, 4, 4, 3, True), (128, 64, 2, 8, 4, True), (32, 128, 2, 4, 3, False),
+             (64, 128, 1, 4, 3, False)]
+
+
+def parse_tiles(text: str) -> list[DecodeTile]:
+    """``n:k:splits:block_m:warps:stages`` tiles, comma-separated (block_m 1..8: float32 FMAs, else
+    tensor cores), all with the packed dequantization."""
+    tiles = []
+    for item in text.split(","):
+        n, k, splits, block_m, warps, stages = (int(v) for v in item.split(":"))
+        tiles.append(DecodeTile(n, k, splits, block_m, block_m >= 16, True, warps, stages))
+    return tiles
+
+
+def candidates(tokens: int, only: list[DecodeTile] | None = None) -> list[DecodeTile]:
+    if only:
+        return list(only)
+    tiles = []
+    if tokens <= 16:
+        block_m = 1 if tokens == 1 else 2
+        tiles += [DecodeTile(n, k, s, block_m, False, asm, w, st) for n, k, s, w, st, asm in FMA_TILES]
+    if True:  # the swapped MMA wastes no weight traffic on padded rows: a candidate at M = 1 too
+        tiles += [DecodeTile(n, k, s, 16, True, asm, w, st) for n, k, s, w, st, asm in DOT_TILES]
+    return tiles
+
+
+def bandwidth(device) -> float:
+    name = torch.cuda.get_device_name(device)
+    return next((tbs for key, tbs in BANDWIDTH_TBS.items() if key in name), 3.0) * 1e12
+
+
+def roofline_us(problem, inputs, device) -> float:
+    hits = sum(t.ids.unique().numel() for _, t in inputs) / len(inputs)
+    per_expert = (problem.w13_rows + problem.hidden_size) * problem.intermediate_size * 4.25 / 8
+    return hits * per_expert / bandwidth(device) * 1e6
+
+
+def close(out: torch.Tensor, want: torch.Tensor) -> bool:
+    return bool(torch.isfinite(out).all()) and float((out.float() - want.float()).norm() / want.float().norm()) < 0.02
+
+
+class Sweep:
+    """Times decode configs at one M on fixed inputs (monkeypatching the experts' config lookup)."""
+
+    def __init__(self, problem, weights, inputs, device, want, deadline):
+        self.cls = triton_experts.TritonExperts
+        self.experts = self.cls(problem)
+        self.prepared = self.experts.prepare_weights(weights)
+        self.problem, self.inputs, self.device, self.want, self.deadline = problem, inputs, device, want, deadline
+        self.results: dict[str, float | str] = {}
+
+    def time(self, config: DecodeConfig) -> float | None:
+        key = json.dumps(dataclasses.asdict(config))
+        if key in self.results:
+            value = self.results[key]
+            return value if isinstance(value, float) else None
+        if time.monotonic() > self.deadline:
+            return None
+        triton_experts.decode_config = lambda m: config
+        try:
+            calls = backend_calls(self.cls, self.problem, None, self.inputs, self.device, experts=self.experts,
+                                  prepared=self.prepared)
+            out = calls[0]().out.clone()
+            if not close(out, self.want):
+                self.results[key] = "wrong result"
+                return None
+            us = time_calls(calls, True, budget_ms=60.0)
+        except Exception as error:  # noqa: BLE001 -- e.g. out of shared memory or registers: listed, skipped
+            self.results[key] = f"{type(error).__name__}: {str(error)[:200]}"
+            return None
+        self.results[key] = round(us, 2)
+        return us
+
+    def best(self, tokens: int, only: list[DecodeTile] | None = None) -> tuple[DecodeConfig | None, float]:
+        tiles = candidates(tokens, only)
+        timed = [(self.time(DecodeConfig(t, t)), t) for t in tiles]
+        timed = [(us, t) for us, t in timed if us is not None]
+        if not timed:
+            return None, float("inf")
+        us, first = min(timed, key=lambda x: x[0])
+        best = (us, DecodeConfig(first, first))
+        for t in tiles:
+            us = self.time(DecodeConfig(first, t))
+            if us is not None and us < best[0]:
+                best = (us, DecodeConfig(first, t))
+        return best[1], best[0]
+
+
+def peer_us(name: str, problem, weights, inputs, device, platform) -> float | None:
+    try:
+        cls = get_experts(name)
+        if cls.check(problem, platform):
+            return None
+        return time_calls(backend_calls(cls, problem, weights, inputs, device), cls.capabilities.cuda_graph_safe)
+    except Exception as error:  # noqa: BLE001 -- a peer that cannot run here is reported as absent
+        print(f"  {name}: {type(error).__name__}: {str(error)[:200]}", file=sys.stderr)
+        return None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--budget-s", type=float, default=200.0, help="stop sweeping configs after this")
+    parser.add_argument("--tiles", default=None, help="sweep only these tiles: n:k:splits:block_m:warps:stages,...")
+    args = parser.parse_args(argv)
+    import moe.experts.flashinfer_cutlass  # noqa: F401 -- registers the peer
+    from moe.platform import Platform
+
+    device = torch.device("cuda")
+    platform = Platform.detect()
+    preset = load_preset("gpt-oss-120b")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    problem = preset.problem(quant="mxfp4", max_tokens=max(tokens))
+    weights = build_weights(problem, device)
+    deadline = time.monotonic() + args.budget_s
+    rows, report = [], {"device": torch.cuda.get_device_name(device), "configs": {}, "timings": {}}
+    decode_config, uses_decode = triton_experts.decode_config, triton_experts.uses_decode
+    for m in tokens:
+        torch.manual_seed(m)
+        inputs = make_inputs(preset, problem, m, 4, device)
+        roof = roofline_us(problem, inputs, device)
+        triton_experts.uses_decode = lambda *a: False  # the grouped-GEMM path, as before this kernel
+        grouped_calls = backend_calls(triton_experts.TritonExperts, problem, weights, inputs, device)
+        want = grouped_calls[0]().out.clone()
+        grouped = time_calls(grouped_calls, True)
+        triton_experts.uses_decode = uses_decode
+        sweep = Sweep(problem, weights, inputs, device, want, deadline)
+        config, best = sweep.best(m, parse_tiles(args.tiles) if args.tiles else None)
+        triton_experts.decode_config = decode_config
+        fi = peer_us("flashinfer_cutlass", problem, weights, inputs, device, platform)
+        report["timings"][m] = sweep.results
+        report["configs"][m] = None if config is None else dataclasses.asdict(config)
+        rows.append((m, roof, best, config, grouped, fi))
+        print(f"M={m}: decode {best:.1f} us, grouped {grouped:.1f} us, flashinfer {fi}", file=sys.stderr, flush=True)
+    print(table(rows))
+    out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "mxfp4_decode.json"
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"\nbest configs and all timings: {out}")
+    return 0
+
+
+def table(rows) -> str:
+    lines = ["| M | roofline us | decode us | % roofline | triton grouped us | flashinfer us | vs flashinfer | best config |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m, roof, best, config, grouped, fi in rows:
+        cfg = "-" if config is None else f"g1 {_short(config.gemm1)}; g2 {_short(config.gemm2)}"
+        vs = f"{fi / best:.2f}x" if fi else "-"
+        lines.append(f"| {m} | {roof:.1f} | {best:.1f} | {roof / best:.0%} | {grouped:.1f} | "
+                     f"{'-' if fi is None else f'{fi:.1f}'} | {vs} | {cfg} |")
+    return "\n".join(lines)
+
+
+def _short(t: DecodeTile) -> str:
+    kind = f"dot m{t.block_m}" if t.dot else f"fma m{t.block_m}"
+    return f"{kind} n{t.block_n} k{t.block_k} s{t.splits} w{t.num_warps} st{t.num_stages}{' asm' if t.asm else ''}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

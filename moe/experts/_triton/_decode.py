@@ -1,0 +1,294 @@
+"""Triton code of the MXFP4 W4A16 decode GEMMs (see decode.py for the contract and the launch).
+
+One program owns (expert group, N tile, K split): it streams that expert's ``[BLOCK_N, K / SPLITS]``
+weight slice once and applies it to every slot routed to the expert (all of them, BLOCK_M rows at
+a time), then writes fp32 partial sums ``part[split, slot, n]``. A second tiny launch sums the
+splits in a fixed order (deterministic: no float atomics) and applies the epilogue: bias and the
+activation after GEMM1, bias, router weight and the sum over k after GEMM2. With one split GEMM1
+applies its epilogue itself and skips that launch.
+
+Expert groups (``GROUPED``): the alignment with BLOCK_M = 1 lists the slots by expert without
+padding; program g takes the g-th expert that has any slot (an in-register scan of the counts), so
+the grid (``min(slots, E)`` groups) depends on M only. Without grouping, program g takes slot g
+(one token: its k experts are distinct, and the alignment launch is saved).
+
+The weight format lives in `_weight_half_tiles` and its scale decoders: NVFP4 plugs in there.
+"""
+
+import triton
+import triton.language as tl
+
+from moe.experts._triton._gemm import _MXFP4, _activate, _dot, _fp4_half_tiles
+from moe.experts._triton._lang import cdiv_, cumsum_, sum_
+
+# e2m1 codes of 4 bytes -> 8 bfloat16 values times the scale, 2 per register. The code's magnitude
+# bits go to bf16 bits 6..8 (exponent 7..8, top mantissa bit 6) and its sign to bit 15: that bf16
+# is the e2m1 value times 2**-126 (code 1 a subnormal), which the fma by 2**(e - 1) turns into the
+# value times 2**(e - 127). prmt first puts byte 0 in the low and byte 1 in the high half (then
+# bytes 2 and 3): bits 8..11 hold the low nibble, 12..15 the high nibble of each half's byte.
+_E2M1_BF16X2 = tl.constexpr("""
+{
+.reg .b32 t<2>, s, m, zero, negz;
+mov.b32 zero, 0;
+mov.b32 negz, 0x80008000;
+prmt.b32 t0, $4, zero, 0x1404;
+prmt.b32 t1, $4, zero, 0x3424;
+shl.b32 s, t0, 4;
+shr.b32 m, t0, 2;
+and.b32 s, s, 0x80008000;
+and.b32 m, m, 0x01C001C0;
+or.b32 s, s, m;
+fma.rn.bf16x2 $0, s, $5, negz;
+shl.b32 s, t1, 4;
+shr.b32 m, t1, 2;
+and.b32 s, s, 0x80008000;
+and.b32 m, m, 0x01C001C0;
+or.b32 s, s, m;
+fma.rn.bf16x2 $1, s, $6, negz;
+shr.b32 m, t0, 6;
+and.b32 s, t0, 0x80008000;
+and.b32 m, m, 0x01C001C0;
+or.b32 s, s, m;
+fma.rn.bf16x2 $2, s, $5, negz;
+shr.b32 m, t1, 6;
+and.b32 s, t1, 0x80008000;
+and.b32 m, m, 0x01C001C0;
+or.b32 s, s, m;
+fma.rn.bf16x2 $3, s, $6, negz;
+}
+""")
+
+
+@triton.jit
+def _e8m0_bf16_biased(scale_bytes):
+    """2**(byte - 1) as bfloat16: the e8m0 scale times 2**126 (`_E2M1_BF16X2`'s bias). Exact for
+    bytes <= 128 (scales <= 2), which the launcher checks once at load."""
+    return ((scale_bytes + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _weight_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, dtype: tl.constexpr, EVEN_K: tl.constexpr,
+                       ASM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One K step of MXFP4 weights dequantized: the ``[BLOCK_K/2, BLOCK_N]`` half-tiles of the low
+    and high nibbles (weights.py's half-split layout; pointers as in `_gemm._fp4_half_tiles`).
+    ``ASM``: packed bf16x2 PTX (4 bytes per call, bfloat16 only); else `_gemm`'s exact float32 math."""
+    if not ASM:
+        low, high = _fp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, _MXFP4, dtype, EVEN_K, BLOCK_K, BLOCK_N)
+    else:
+        if EVEN_K:
+            packed = tl.load(w_ptrs)
+            words = tl.load(s_ptrs)
+        else:
+            packed = tl.load(w_ptrs, mask=group_ok, other=0)
+            words = tl.load(s_ptrs, mask=group_ok, other=0)
+        scale = _e8m0_bf16_biased((words >> shifts) & 255)
+        low, high = tl.inline_asm_elementwise(_E2M1_BF16X2, "=r,=r,=r,=r,r,r,r", [packed, scale],
+                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        low = tl.reshape(low.to(dtype), (BLOCK_K // 2, BLOCK_N))
+        high = tl.reshape(high.to(dtype), (BLOCK_K // 2, BLOCK_N))
+    return low, high
+
+
+@triton.jit
+def _accumulate(acc, a_lo, a_hi, w_lo, w_hi, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """``acc += a_lo @ w_lo + a_hi @ w_hi``. ``DOT``: tensor cores with the operands swapped,
+    ``acc^T [BLOCK_N, BLOCK_M] += w^T @ a^T`` (A given transposed, ``[BLOCK_K/2, BLOCK_M]``): the
+    dequantized weights are the MMA's first operand, which may stay in registers, and the few
+    activation rows are the narrow second one. Else float32 FMAs into ``[BLOCK_M, BLOCK_K/2,
+    BLOCK_N]``, reduced over K after the loop (few rows)."""
+    # if/else rather than an early return: Triton on the GPU type-checks the code after a constexpr return
+    if DOT:
+        acc = _dot(tl.trans(w_hi), a_hi, _dot(tl.trans(w_lo), a_lo, acc, IEEE), IEEE)
+    else:
+        lo = a_lo.to(tl.float32)[:, :, None] * w_lo.to(tl.float32)[None, :, :]
+        acc = acc + lo + a_hi.to(tl.float32)[:, :, None] * w_hi.to(tl.float32)[None, :, :]
+    return acc
+
+
+@triton.jit
+def _a_pointers(a_ptr, a_rows, row_ok, stride_am, k0, groups_left, DOT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A's low half-tile pointers and mask at K offset ``k0`` (the high half is 16 further): ``[BLOCK_M,
+    BLOCK_K/2]``, or transposed ``[BLOCK_K/2, BLOCK_M]`` for the swapped MMA (``DOT``)."""
+    offs_b = tl.arange(0, BLOCK_K // 2)
+    k_low = k0 + (offs_b // 16) * 32 + offs_b % 16
+    k_ok = (offs_b // 16) < groups_left
+    if DOT:
+        ptrs = a_ptr + a_rows[None, :] * stride_am + k_low[:, None]
+        ok = row_ok[None, :] & k_ok[:, None]
+    else:
+        ptrs = a_ptr + a_rows[:, None] * stride_am + k_low[None, :]
+        ok = row_ok[:, None] & k_ok[None, :]
+    return ptrs, ok
+
+
+@triton.jit
+def _k_loop(acc, acc_up, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wn, ws_base, stride_wsn,
+            stride_wsk, offs_n, N, K, k_first, k_last,
+            GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
+            ASM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K steps ``k_first .. k_last - 1`` of one row chunk; the half-tiles' A columns are runs of 16."""
+    g3 = tl.arange(0, BLOCK_K // 32)[:, None, None]
+    n3 = offs_n[None, None, :]
+    w_ptrs = w_base + n3 * stride_wn + (k_first * (BLOCK_K // 2) + g3 * 16 + tl.arange(0, 16)[None, :, None])
+    s_base = ws_base + n3 * stride_wsn
+    for kk in range(k_first, k_last):
+        group = kk * (BLOCK_K // 32) + g3
+        groups_left = K // 32 - kk * (BLOCK_K // 32)
+        a_ptrs, a_ok = _a_pointers(a_ptr, a_rows, row_ok, stride_am, kk * BLOCK_K, groups_left, DOT, BLOCK_K)
+        a_lo = tl.load(a_ptrs, mask=a_ok, other=0.0)
+        a_hi = tl.load(a_ptrs + 16, mask=a_ok, other=0.0)
+        s_ptrs = s_base + (group // 4) * stride_wsk
+        shifts = (group % 4) * 8
+        w_lo, w_hi = _weight_half_tiles(w_ptrs, s_ptrs, shifts, g3 < groups_left, a_lo.dtype, EVEN_K, ASM,
+                                        BLOCK_K, BLOCK_N)
+        acc = _accumulate(acc, a_lo, a_hi, w_lo, w_hi, DOT, IEEE)
+        if GATED:  # the up rows: N further down, in the data and in the scale words alike
+            w_lo, w_hi = _weight_half_tiles(w_ptrs + N * stride_wn, s_ptrs + N * stride_wsn, shifts,
+                                            g3 < groups_left, a_lo.dtype, EVEN_K, ASM, BLOCK_K, BLOCK_N)
+            acc_up = _accumulate(acc_up, a_lo, a_hi, w_lo, w_hi, DOT, IEEE)
+        w_ptrs += BLOCK_K // 2
+    return acc, acc_up
+
+
+@triton.jit
+def _group(g, ids_ptr, map_ptr, counts_ptr, ends_ptr, num_local,
+           GROUPED: tl.constexpr, HAS_MAP: tl.constexpr, E_PAD: tl.constexpr):
+    """(local expert or -1, first position in the sorted slots, slot count) of group ``g``."""
+    if GROUPED:  # the g-th expert with any slot, in expert order
+        experts = tl.arange(0, E_PAD)
+        counts = tl.load(counts_ptr + experts, mask=experts < num_local, other=0)
+        ends = tl.load(ends_ptr + experts, mask=experts < num_local, other=0)
+        active = counts > 0
+        pick = active & (cumsum_(active.to(tl.int32), 0) - 1 == g)
+        found = sum_(pick.to(tl.int32), 0)
+        expert = tl.where(found > 0, sum_(tl.where(pick, experts, 0), 0), -1)
+        count = sum_(tl.where(pick, counts, 0), 0)
+        return expert, sum_(tl.where(pick, ends, 0), 0) - count, count
+    expert = tl.load(ids_ptr + g)
+    if HAS_MAP:
+        expert = tl.load(map_ptr + expert)
+    return expert, g, 1
+
+
+# the token-dependent counts are not specialized on, so one compiled kernel serves every M
+@triton.jit(do_not_specialize=["num_local"])
+def decode_gemm_kernel(
+    a_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, ids_ptr, map_ptr, counts_ptr, ends_ptr, sorted_ptr,
+    num_local, N, K, stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be,
+    stride_om, stride_ps, stride_pm, alpha, beta, limit,
+    GROUPED: tl.constexpr, HAS_MAP: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, FUSED: tl.constexpr, SPLITS: tl.constexpr,
+    E_PAD: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    expert, start, count = _group(tl.program_id(1), ids_ptr, map_ptr, counts_ptr, ends_ptr, num_local,
+                                  GROUPED, HAS_MAP, E_PAD)
+    if expert < 0:
+        return
+    split = tl.program_id(0) % SPLITS
+    offs_n = (tl.program_id(0) // SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_n = offs_n % N  # the tail's extra columns re-read valid ones; they are never stored
+    steps = cdiv_(K, BLOCK_K)
+    per_split = cdiv_(steps, SPLITS)
+    k_first = tl.minimum(split * per_split, steps)
+    k_last = tl.minimum(k_first + per_split, steps)
+    expert = expert.to(tl.int64)
+    w_base = w_ptr + expert * stride_we
+    ws_base = ws_ptr + expert * stride_wse
+    for m0 in range(0, count, BLOCK_M):  # every chunk re-reads the slice, from L2: rare at decode
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < count
+        if GROUPED:
+            slots = tl.load(sorted_ptr + start + rows, mask=row_ok, other=0)
+        else:
+            slots = start + rows * 0
+        slots = slots.to(tl.int64)
+        if DOT:  # transposed (see `_accumulate`)
+            acc = tl.full([BLOCK_N, BLOCK_M], 0, tl.float32)
+        else:
+            acc = tl.full([BLOCK_M, BLOCK_K // 2, BLOCK_N], 0, tl.float32)
+        acc, acc_up = _k_loop(acc, acc, a_ptr, slots // A_ROW_DIV, row_ok, stride_am, w_base, stride_wn,
+                              ws_base, stride_wsn, stride_wsk, offs_n, N, K, k_first, k_last,
+                              GATED, EVEN_K, IEEE, DOT, ASM, BLOCK_K, BLOCK_N)
+        if DOT:
+            acc, acc_up = tl.trans(acc), tl.trans(acc_up)
+        else:
+            acc, acc_up = sum_(acc, 1), sum_(acc_up, 1)
+        mask = row_ok[:, None] & n_ok[None, :]
+        if FUSED:  # one split: the whole sum is here; bias and activation, then the output
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + expert * stride_be + offs_n)[None, :]
+                if GATED:
+                    acc_up += tl.load(bias_ptr + expert * stride_be + N + offs_n)[None, :]
+            acc = _activate(acc, acc_up, ACTIVATION, alpha, beta, limit)
+            tl.store(out_ptr + slots[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            p_ptrs = part_ptr + split * stride_ps + slots[:, None] * stride_pm + offs_n[None, :]
+            tl.store(p_ptrs, acc, mask=mask)
+            if GATED:
+                tl.store(p_ptrs + N, acc_up, mask=mask)
+
+
+@triton.jit
+def _split_sum(p_ptrs, stride_ps, mask, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """The splits' partial sums at ``p_ptrs``, added in split order (deterministic)."""
+    total = tl.full([BLOCK], 0, tl.float32)
+    for s in tl.static_range(SPLITS):
+        total += tl.load(p_ptrs + s * stride_ps, mask=mask, other=0.0)
+    return total
+
+
+@triton.jit
+def _local_expert(ids_ptr, map_ptr, slot, HAS_MAP: tl.constexpr):
+    expert = tl.load(ids_ptr + slot)
+    if HAS_MAP:
+        expert = tl.load(map_ptr + expert)
+    return expert.to(tl.int64)
+
+
+@triton.jit
+def activate_splits_kernel(part_ptr, bias_ptr, ids_ptr, map_ptr, out_ptr, N, stride_ps, stride_pm, stride_be,
+                           stride_om, alpha, beta, limit,
+                           GATED: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           HAS_MAP: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """GEMM1's epilogue: ``out[slot] = act(sum of the splits + bias)`` for slots whose expert is here."""
+    slot = tl.program_id(0).to(tl.int64)
+    expert = _local_expert(ids_ptr, map_ptr, slot, HAS_MAP)
+    if expert < 0:
+        return
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    p_ptrs = part_ptr + slot * stride_pm + cols
+    gate = _split_sum(p_ptrs, stride_ps, ok, SPLITS, BLOCK)
+    up = gate
+    if GATED:
+        up = _split_sum(p_ptrs + N, stride_ps, ok, SPLITS, BLOCK)
+    if HAS_BIAS:
+        gate += tl.load(bias_ptr + expert * stride_be + cols, mask=ok, other=0.0)
+        if GATED:
+            up += tl.load(bias_ptr + expert * stride_be + N + cols, mask=ok, other=0.0)
+    out = _activate(gate, up, ACTIVATION, alpha, beta, limit)
+    tl.store(out_ptr + slot * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def combine_splits_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, map_ptr, out_ptr, H, stride_ps, stride_pm,
+                          stride_be, stride_om,
+                          TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr,
+                          SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """GEMM2's epilogue: ``out[t] = sum_j weight[t, j] * (sum of the splits of slot t*k+j + bias)``
+    over the slots whose expert is here, in a fixed order."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    acc = tl.full([BLOCK], 0, tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = token * TOP_K + j
+        expert = _local_expert(ids_ptr, map_ptr, slot + cols * 0, HAS_MAP)
+        here = ok & (expert >= 0)
+        y = _split_sum(part_ptr + slot * stride_pm + cols, stride_ps, here, SPLITS, BLOCK)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + expert * stride_be + cols, mask=here, other=0.0)
+        acc += tl.load(weights_ptr + slot) * y
+    tl.store(out_ptr + token * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)

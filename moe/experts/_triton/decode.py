@@ -1,0 +1,186 @@
+"""MXFP4 W4A16 decode: both GEMMs built for the weight stream (the kernels are in _decode.py).
+
+At decode every expert's weights are read once per forward and the activations are a few rows, so
+the time is the bytes of the experts hit over the memory bandwidth. `decode_experts` keeps all SMs
+streaming and reads each weight byte once per expert hit::
+
+    align     slots listed by expert, unpadded (BLOCK_M = 1; skipped for one token, whose k
+              experts are distinct: one program group per slot)
+    gemm1     grid (N tiles x K splits, expert groups): fp32 partials [splits, slots, 2I]
+              (one split: bias + activation fused, the intermediate written directly)
+    act       intermediate[slot] = act(sum over splits + bias)         (only with > 1 split)
+    gemm2     the same over w2: fp32 partials [splits, slots, H]
+    combine   out[t] = sum_j weight[t, j] * (sum over splits of slot t*k+j + b2)
+
+Split-K partials are summed by a second launch in split order rather than by float atomics: the
+result is bit-for-bit reproducible (the experts declare ``deterministic``), and the partials are
+tiny next to the weights (slots x N x splits fp32, mostly in L2). Everything stays on the GPU,
+shapes depend on M only: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe.activation import Activation
+from moe.experts._triton import cdiv, kernels
+from moe.experts._triton.align import align_block_size, experts_pad
+from moe.experts._triton.gemm import ACTIVATION_CODES
+from moe.experts._triton.weights import TritonWeights, WeightOperand
+from moe.errors import MoEConfigError
+from moe.quant import QuantFormat
+
+DECODE_MAX_SLOTS = 256  # M * k up to this takes the decode path (MXFP4 W4A16)
+MAX_SPLITS = 8  # the partial-sum workspace holds this many K splits
+_EPILOGUE_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    """One decode GEMM's program: ``block_m`` slots of one expert x ``block_n`` output columns x
+    ``K / splits``. ``dot``: tensor cores (block_m >= 16) or float32 FMAs (few rows); ``asm``:
+    packed bf16x2 PTX dequantization (bfloat16 activations on a GPU, scales <= 2; else exact
+    float32 math)."""
+
+    block_n: int = 32
+    block_k: int = 128
+    splits: int = 1
+    block_m: int = 16
+    dot: bool = True
+    asm: bool = True
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        if not 1 <= self.splits <= MAX_SPLITS:
+            raise MoEConfigError(f"splits must be in 1..{MAX_SPLITS} (got {self.splits})")
+        if self.block_k % 32 or self.block_k < 32:
+            raise MoEConfigError(f"block_k must be a multiple of 32, the MXFP4 group (got {self.block_k})")
+        if self.dot and self.block_m < 16:
+            raise MoEConfigError(f"dot=True needs block_m >= 16 (got {self.block_m}); use dot=False for fewer rows")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    gemm1: DecodeTile
+    gemm2: DecodeTile
+
+
+# by M (tokens), the nearest bucket at or below M: the fastest of benchmarks/mxfp4_decode.py's sweep on an
+# H100 (GPT-OSS-120B's shape, bf16, 49 candidates per M; benchmarks/results/mxfp4_decode_nvidia-h100.md)
+DECODE_CONFIGS = {
+    1: DecodeConfig(DecodeTile(64, 64, 4, 16, True, True, 4, 4), DecodeTile(16, 256, 2, 1, False, True, 4, 3)),
+    2: DecodeConfig(DecodeTile(64, 128, 1, 16, True, True, 4, 3), DecodeTile(64, 128, 1, 16, True, True, 4, 3)),
+}
+
+
+def decode_config(num_tokens: int) -> DecodeConfig:
+    return DECODE_CONFIGS[max(m for m in DECODE_CONFIGS if m <= max(num_tokens, 1))]
+
+
+def uses_decode(weights: TritonWeights, activation_fmt: QuantFormat, num_slots: int) -> bool:
+    """Whether a forward of ``num_slots`` slots takes the decode path: MXFP4 weights with
+    unquantized activations, few slots."""
+    return (weights.w13.fmt is QuantFormat.MXFP4 and activation_fmt is QuantFormat.NONE
+            and 0 < num_slots <= DECODE_MAX_SLOTS)
+
+
+def workspace_buffers(num_slots: int, w13_rows: int, hidden: int) -> dict:
+    """The partial sums of both GEMMs for up to ``num_slots`` (capped at the decode bound)."""
+    slots = min(num_slots, DECODE_MAX_SLOTS)
+    return {
+        "decode_part1": ((MAX_SPLITS, slots, w13_rows), torch.float32),
+        "decode_part2": ((MAX_SPLITS, slots, hidden), torch.float32),
+    }
+
+
+def _activation_args(activation: Activation | None) -> tuple[float, float, float]:
+    act = activation
+    return (act.alpha, act.beta, act.limit) if act is not None and act.alpha is not None else (0.0, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class _Routing:
+    """Where each program group's expert and slots come from (see _decode.py's `_group`)."""
+
+    ids: torch.Tensor  # int32 [slots] global ids
+    expert_map: torch.Tensor | None
+    counts: torch.Tensor  # int32 [E_local] (grouped) or ids (never read)
+    ends: torch.Tensor
+    sorted_slots: torch.Tensor
+    groups: int  # the grid's bound on groups
+    grouped: bool
+    num_local: int
+
+
+def _routing(ids: torch.Tensor, weights: TritonWeights, num_local: int, workspace) -> _Routing:
+    flat = ids.reshape(-1)
+    tokens, slots = ids.shape[0], flat.numel()
+    if tokens == 1:  # one token's experts are distinct: a group per slot, no alignment launch
+        return _Routing(flat, weights.expert_map, flat, flat, flat, slots, False, num_local)
+    layout = align_block_size(ids, weights.expert_map, num_local, 1, workspace)
+    return _Routing(flat, weights.expert_map, layout.expert_counts, layout.expert_ends, layout.sorted_slots,
+                    min(slots, num_local), True, num_local)
+
+
+def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor, part: torch.Tensor, routing: _Routing,
+          activation: Activation | None, a_row_div: int, tile: DecodeTile, asm: bool) -> None:
+    """One decode GEMM: partial sums into ``part`` (or, with one split and an ``activation`` given,
+    the activated result into ``out``)."""
+    gated = activation is not None and activation.is_gated
+    n_out = w.data.shape[1] // (2 if gated else 1)
+    k = w.k
+    fused = tile.splits == 1 and out is not None
+    has_map = routing.expert_map is not None
+    grid = (cdiv(n_out, tile.block_n) * tile.splits, routing.groups)
+    dummy = w.data
+    kernels("decode").decode_gemm_kernel[grid](
+        a, w.data, w.scale, w.bias if w.bias is not None else dummy, out if fused else part, part,
+        routing.ids, routing.expert_map if has_map else routing.ids, routing.counts, routing.ends,
+        routing.sorted_slots, routing.num_local, n_out, k, a.stride(0), w.data.stride(0), w.data.stride(1),
+        *w.scale.stride(),
+        w.bias.stride(0) if w.bias is not None else 0, (out if fused else part).stride(-2),
+        part.stride(0), part.stride(1), *_activation_args(activation),
+        GROUPED=routing.grouped, HAS_MAP=has_map, A_ROW_DIV=a_row_div, GATED=gated,
+        ACTIVATION=ACTIVATION_CODES[None if activation is None else activation.kind], HAS_BIAS=w.bias is not None,
+        FUSED=fused, SPLITS=tile.splits, E_PAD=experts_pad(routing.num_local), EVEN_K=k % tile.block_k == 0,
+        IEEE=a.dtype == torch.float32, DOT=tile.dot, ASM=asm, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+
+
+def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: TritonWeights,
+                   activation: Activation, num_local: int, config: DecodeConfig, workspace,
+                   out: torch.Tensor) -> torch.Tensor:
+    """``out [M, H] = sum_j topk_weights[m, j] * experts_j(x[m])`` over the slots whose expert is
+    here, for MXFP4 ``weights`` and ``x [M, H]`` in bf16/fp16/fp32 (`uses_decode` must hold)."""
+    _decode = kernels("decode")
+    tokens, top_k = topk_ids.shape
+    slots = tokens * top_k
+    w13, w2 = weights.w13, weights.w2
+    asm = weights.small_scales and x.dtype == torch.bfloat16 and x.is_cuda
+    routing = _routing(topk_ids, weights, num_local, workspace)
+    inter = workspace["inter"][:slots]
+    part1 = workspace["decode_part1"][: config.gemm1.splits, :slots]
+    part2 = workspace["decode_part2"][: config.gemm2.splits, :slots]
+    _gemm(x, w13, inter, part1, routing, activation, top_k, config.gemm1, asm and config.gemm1.asm)
+    has_map = routing.expert_map is not None
+    emap = routing.expert_map if has_map else routing.ids
+    if config.gemm1.splits > 1:
+        n = inter.shape[1]
+        _decode.activate_splits_kernel[(slots, cdiv(n, _EPILOGUE_BLOCK))](
+            part1, w13.bias if w13.bias is not None else part1, routing.ids, emap, inter, n,
+            part1.stride(0), part1.stride(1), w13.bias.stride(0) if w13.bias is not None else 0, inter.stride(0),
+            *_activation_args(activation), GATED=activation.is_gated,
+            ACTIVATION=ACTIVATION_CODES[activation.kind], HAS_BIAS=w13.bias is not None, HAS_MAP=has_map,
+            SPLITS=config.gemm1.splits, BLOCK=_EPILOGUE_BLOCK)
+    _gemm(inter, w2, None, part2, routing, None, 1, config.gemm2, asm and config.gemm2.asm)
+    hidden = out.shape[1]
+    _decode.combine_splits_kernel[(tokens, cdiv(hidden, _EPILOGUE_BLOCK))](
+        part2, w2.bias if w2.bias is not None else part2, topk_weights, routing.ids, emap, out, hidden,
+        part2.stride(0), part2.stride(1), w2.bias.stride(0) if w2.bias is not None else 0, out.stride(0),
+        TOP_K=top_k, HAS_BIAS=w2.bias is not None, HAS_MAP=has_map, SPLITS=config.gemm2.splits,
+        BLOCK=_EPILOGUE_BLOCK)
+    return out

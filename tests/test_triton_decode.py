@@ -1,0 +1,96 @@
+"""The MXFP4 W4A16 decode path of the Triton experts (`_triton/decode.py`) in Triton's CPU
+interpreter, against the reference experts: one token (a group per slot), several tokens (slots
+grouped by expert: experts hit 0, 1 or many times), split-K and the fused single-split epilogue,
+tensor-core and FMA programs, ragged K, biases, swiglu_oai, an expert map."""
+
+import os
+import shutil
+
+if not shutil.which("nvidia-smi"):  # a CPU machine: the interpreter, before triton decorates any kernel
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    pytest.skip("CPU-interpreter tests; on a GPU, tests/gpu/test_triton_decode_gpu.py runs", allow_module_level=True)
+
+from moe.errors import MoEConfigError  # noqa: E402
+from moe.experts._triton import decode  # noqa: E402
+from moe.experts._triton.decode import DecodeConfig, DecodeTile  # noqa: E402
+from moe.experts.triton import TritonExperts  # noqa: E402
+from moe.formats import ActivationFormat, Dispatched  # noqa: E402
+from moe.quant import QuantizedTensor  # noqa: E402
+from moe.router import TopK  # noqa: E402
+from moe.testing.tolerance import assert_close_moe, regime_for  # noqa: E402
+from tests.test_triton import make_problem, make_weights, reference_reduced, run_experts  # noqa: E402
+
+FMA = DecodeTile(block_n=16, block_k=64, splits=3, block_m=2, dot=False)
+DOT = DecodeTile(block_n=16, block_k=128, splits=1, block_m=16, dot=True)
+DOT_SPLIT = DecodeTile(block_n=32, block_k=64, splits=2, block_m=16, dot=True)
+
+
+def routed(num_tokens, p, hot=False):
+    """Top-k ids: random distinct experts per token; ``hot``: every token on experts 0..k-1 (one
+    expert many times, most experts 0 times)."""
+    if hot:
+        ids = torch.arange(p.top_k).repeat(num_tokens, 1).int()
+    else:
+        ids = torch.stack([torch.randperm(p.num_experts)[: p.top_k] for _ in range(num_tokens)]).int()
+    return TopK(ids, torch.rand(num_tokens, p.top_k))
+
+
+def check(p, num_tokens, config, monkeypatch, hot=False, dtype=torch.float16):
+    monkeypatch.setattr(decode, "decode_config", lambda m: config)
+    called = []
+    real = decode.decode_experts
+    monkeypatch.setattr("moe.experts.triton.decode_experts", lambda *a: called.append(1) or real(*a))
+    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m: config)
+    weights = make_weights(p)
+    x = torch.randn(num_tokens, p.hidden_size).to(dtype)
+    topk = routed(num_tokens, p, hot)
+    dispatched = Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=x, scale=None, fmt="none"), topk)
+    out = run_experts(TritonExperts(p), dispatched, weights).out
+    assert called == [1]  # the decode path ran
+    ref = reference_reduced(p, x, topk, weights)
+    assert_close_moe(out.float(), ref, regime_for(p), context=f"decode M={num_tokens} {config}")
+
+
+def gpt_oss_like(**kw):
+    args = dict(E=8, k=4, H=128, I=160, bias=True, max_tokens=64)
+    args.update(kw)
+    return make_problem("mxfp4", "swiglu_oai", **args)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 33])
+@pytest.mark.parametrize("tiles", [(FMA, FMA), (DOT, DOT_SPLIT), (DOT_SPLIT, DOT)], ids=["fma", "dot", "dot-split"])
+def test_decode_matches_reference(num_tokens, tiles, monkeypatch):
+    check(gpt_oss_like(), num_tokens, DecodeConfig(*tiles), monkeypatch)
+
+
+@pytest.mark.parametrize("tiles", [(FMA, DOT_SPLIT), (DOT, FMA)], ids=["fma", "dot"])
+def test_decode_one_expert_many_times(tiles, monkeypatch):
+    """33 tokens all on experts 0..3: 33 slots per expert (3 chunks of 16 rows), 4 experts idle."""
+    check(gpt_oss_like(), 33, DecodeConfig(*tiles), monkeypatch, hot=True)
+
+
+def test_decode_ragged_k_expert_map_fp32(monkeypatch):
+    """K = 160 and 96 (not multiples of BLOCK_K = 64/128), 3 local experts of 8, float32."""
+    p = make_problem("mxfp4", "swiglu_oai", E=8, k=3, H=160, I=96, bias=True, dtype=torch.float32,
+                     expert_map=(-1, 0, -1, -1, 1, -1, 2, -1))
+    for tokens in (1, 5):
+        check(p, tokens, DecodeConfig(FMA, DOT_SPLIT), monkeypatch, dtype=torch.float32)
+
+
+def test_decode_non_gated_without_bias(monkeypatch):
+    check(make_problem("mxfp4", "relu2", E=8, k=2, H=64, I=96), 3, DecodeConfig(DOT_SPLIT, FMA), monkeypatch)
+
+
+def test_decode_tile_rejects_bad_values():
+    with pytest.raises(MoEConfigError, match="splits must be in 1..8"):
+        DecodeTile(splits=9)
+    with pytest.raises(MoEConfigError, match="block_k must be a multiple of 32"):
+        DecodeTile(block_k=48)
+    with pytest.raises(MoEConfigError, match="dot=True needs block_m >= 16"):
+        DecodeTile(block_m=4, dot=True)
