@@ -1,0 +1,203 @@
+"""Every Triton kernel of `moe`, as our launchers launch it, compiles for the GPU (sm90; sm80 where the
+variant runs on an A100) -- checked on a CPU, with the installed Triton's frontend and ptxas.
+
+The CPU interpreter accepts code that Triton compiling for a GPU rejects (a plain-Python global in a
+kernel, a constexpr early return followed by code of another type), so a kernel can pass every CPU
+test and fail on the first GPU launch. Here the `SCENARIOS` run the real launchers on CPU at tiny
+shapes under the interpreter while `record_launches` records each launch's types, constexprs and
+options; each distinct launch then compiles for the GPU, in its recorded dtype and, where it ran in
+float16, in bfloat16 (see moe/testing/triton_launches.py). A ``@triton.jit`` function that no
+recorded launch reaches fails the test: a new kernel needs its launch in `SCENARIOS` (one line).
+
+Cost: ~15 s of recording and 139 compile jobs (58 full compiles for sm90 at ~0.4 s, 12 for sm80, 69
+frontends at ~0.03 s) in two worker processes, which compile while the scenarios record: 73-94 s on
+this 2-core machine with other jobs running on it; less when Triton's cache (~/.triton) already
+holds the unchanged kernels.
+"""
+
+import os
+import shutil
+
+if not shutil.which("nvidia-smi"):  # a CPU machine: the interpreter, before triton decorates any kernel
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from contextlib import nullcontext  # noqa: E402
+from pathlib import Path  # noqa: E402
+from unittest import mock  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="compiles Triton kernels: needs triton installed")
+if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    pytest.skip("records launches on the CPU under TRITON_INTERPRET=1; on a GPU the kernels compile when they run",
+                allow_module_level=True)
+
+import moe  # noqa: E402
+from moe.experts._triton import config as cfg  # noqa: E402
+from moe.experts._triton.align import align_block_size  # noqa: E402
+from moe.experts._triton.align import workspace_buffers as align_buffers  # noqa: E402
+from moe.experts._triton.gemm import ACTIVATION_CODES, QUANT_CODES, ROW_CODES  # noqa: E402
+from moe.experts._triton.rows import FP8_MODES  # noqa: E402
+from moe.experts._triton.support import config_key  # noqa: E402
+from moe.experts._triton.weights import prepare_triton_weights  # noqa: E402
+from moe.experts.triton import TritonExperts  # noqa: E402
+from moe.experts.triton_batched import TritonBatchedExperts  # noqa: E402
+from moe.prepare_finalize.batched import BatchedPrepareFinalize  # noqa: E402
+from moe.routing import SCORE_NAMES  # noqa: E402
+from moe.routing.fused import fused_route  # noqa: E402
+from moe.testing import triton_launches as launches  # noqa: E402
+from moe.workspace import WorkspaceManager, WorkspaceShapes  # noqa: E402
+from tests.test_routing_kernel import ROUTERS  # noqa: E402
+from tests.test_triton import make_problem, make_topk, make_weights, run_experts  # noqa: E402
+from tests.test_triton_weight_only import run as run_prepared  # noqa: E402
+
+BOTH = {False, True}
+
+
+# --- the launches: representative calls of every launcher ----------------------------------------
+
+
+def tile(block_n=32, block_k=64, tma=False):
+    return cfg.TileConfig(block_n, block_k, tma=tma)
+
+
+TMA = cfg.LaunchConfig(16, tile(tma=True), tile(64, 32, tma=True))
+EP_MAP = (-1, 0, -1, -1, 1, -1, 2, -1)  # experts 1, 4, 6 of 8 live here
+
+
+def standard(quant, activation="silu", tokens=5, *, config=None, weight_only=False, **problem):
+    """`TritonExperts` (align, fp8 quantization, both GEMMs, combine) on ``tokens`` tokens; ``config``
+    replaces the table's (else the default for M), ``weight_only`` prepares fp8 as for an A100."""
+    p = make_problem(quant, activation, **problem)
+    experts = TritonExperts(p)
+    if weight_only:
+        expert_map = p.parallel.global_to_local(p.num_experts) if p.parallel.enabled else None
+        table = cfg.ConfigTable.load(config_key(p, "standard", torch.device("cpu")))
+        prepared = prepare_triton_weights(make_weights(p), expert_map, table, weight_only=True)
+    else:
+        prepared = experts.prepare_weights(make_weights(p))
+    patch = mock.patch.object(cfg.ConfigTable, "lookup", lambda self, m: config) if config else nullcontext()
+    with patch:
+        run_prepared(experts, prepared, torch.randn(tokens, p.hidden_size).to(p.dtype), make_topk(tokens, p))
+
+
+def batched(quant, activation="silu", tokens=5, **problem):
+    """`TritonBatchedExperts` on what `BatchedPrepareFinalize` dispatches (rows per expert)."""
+    p = make_problem(quant, activation, max_tokens=8, **problem)  # 8 rows per expert: fewer programs
+    prepare = BatchedPrepareFinalize(p)
+    workspace = WorkspaceManager().take(prepare.workspace_shapes(tokens))
+    x = torch.randn(tokens, p.hidden_size).to(p.dtype)
+    dispatched, _ = prepare.prepare(x, make_topk(tokens, p), p.quant.activation, workspace)
+    run_experts(TritonBatchedExperts(p), dispatched, make_weights(p))
+
+
+def align(slots, with_map):
+    """`align_block_size` alone: past FUSED_MAX_SLOTS it takes two launches (rank, then place)."""
+    num_experts, k = 8, 4
+    ids = torch.stack([torch.randperm(num_experts)[:k] for _ in range(slots // k)]).int()
+    expert_map = torch.tensor(EP_MAP, dtype=torch.int32) if with_map else None
+    num_local = 3 if with_map else num_experts
+    workspace = WorkspaceManager().take(WorkspaceShapes.of(**align_buffers(ids.numel(), num_local, (64,))))
+    align_block_size(ids, expert_map, num_local, 64, workspace)
+
+
+ROUTINGS = ("softmax", "gpt_oss", "deepseek_v3", "deepseek_v4", "llama4", "longcat_flash")  # a router per kind
+
+
+def route(name, dtype=torch.float32):
+    """`fused_route` of router ``name`` (tests/test_routing_kernel.py's) on 3 tokens' ``dtype`` logits."""
+    router = ROUTERS[name]
+    fused_route(torch.randn(3, router.num_choices).to(dtype), router)
+
+
+# One line per call; a new kernel's launcher needs one here (test_every_kernel_is_launched says which).
+# Together they launch every value of every switch in SWITCHES (test_every_switch_value_is_launched).
+SCENARIOS = {
+    "fp16 silu sorted": lambda: standard("fp16"),
+    "fp16 gelu 130 rows/expert": lambda: standard("fp16", "gelu", tokens=130, E=2, max_tokens=130),  # prefill tiles
+    "fp32 silu direct expert map bias": lambda: standard("fp32", tokens=2, E=8, k=3, expert_map=EP_MAP, bias=True),
+    "fp8 tensor": lambda: standard("fp8"),
+    "fp8 row": lambda: standard("fp8_token", "relu2"),
+    "fp8 block expert map": lambda: standard("fp8_block", E=8, expert_map=EP_MAP),
+    "mxfp4 swiglu_oai bias": lambda: standard("mxfp4", "swiglu_oai", bias=True),
+    "nvfp4 weight-only": lambda: standard("nvfp4"),
+    "fp8 tensor weight-only": lambda: standard("fp8", weight_only=True),
+    "fp8 row weight-only direct": lambda: standard("fp8_token", tokens=3, weight_only=True),
+    "fp8 block weight-only": lambda: standard("fp8_block", "relu2", weight_only=True),
+    "fp16 silu TMA": lambda: standard("fp16", config=TMA),
+    "fp8 block TMA": lambda: standard("fp8_block", config=TMA),
+    "batched fp8 tensor": lambda: batched("fp8"),
+    "batched mxfp4": lambda: batched("mxfp4", "swiglu_oai", bias=True),
+    "align two launches": lambda: align(4100, with_map=False),
+    "align two launches expert map": lambda: align(4100, with_map=True),
+    **{f"route {name}": (lambda name=name: route(name)) for name in ROUTINGS},
+    "route softmax fp16": lambda: route("softmax", torch.float16),
+    "route deepseek_v3 fp16": lambda: route("deepseek_v3", torch.float16),
+}
+
+# The switches whose every value some scenario must launch: a scheme whose calls stop reaching a
+# kernel (another path took them) fails here rather than going unchecked.
+GEMM = "moe.experts._triton._gemm.moe_gemm_kernel"
+SWITCHES = {
+    GEMM: {"ROWS": set(ROW_CODES.values()), "QUANT": set(QUANT_CODES.values()),
+           "ACTIVATION": set(ACTIVATION_CODES.values()), "GATED": BOTH, "WEIGHT_ONLY": BOTH, "HAS_BIAS": BOTH,
+           "HAS_MAP": BOTH, "EVEN_K": BOTH, "IEEE": BOTH, "W_TMA": BOTH},
+    "moe.experts._triton._rows.fp8_quant_kernel": {"MODE": set(FP8_MODES.values()), "VALID": {0, 1, 2}},
+    "moe.experts._triton._rows.combine_kernel": {"CHECK_LOCAL": BOTH},
+    "moe.experts._triton._align.align_fused_kernel": {"HAS_MAP": BOTH},
+    "moe.experts._triton._align.rank_kernel": {"HAS_MAP": BOTH},
+    "moe.routing._fused.route_kernel": {"SCORE": set(range(len(SCORE_NAMES))), "ON_LOGITS": BOTH,
+                                        "HAS_BIAS": BOTH, "RENORMALIZE": BOTH},
+}
+
+
+# --- recording and compiling, once per run ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def launched() -> tuple[list, dict]:
+    """(the distinct records, {compile job: error or None}); each scenario's launches compile while
+    the next one records."""
+    with launches.Compiler() as compiler, launches.record_launches() as recorded:
+        for run in SCENARIOS.values():
+            run()
+            compiler.submit(recorded)
+        return list(dict.fromkeys(recorded)), compiler.results()
+
+
+@pytest.fixture(scope="module")
+def records(launched) -> list:
+    return launched[0]
+
+
+@pytest.fixture(scope="module")
+def compiled(launched) -> dict:
+    return launched[1]
+
+
+def test_every_kernel_is_launched(records):
+    graph = launches.jit_functions(Path(moe.__file__).parent)
+    missing = launches.unreached(graph, {r.name for r in records})
+    assert not missing, f"@triton.jit functions no scenario launches or calls; add their launch to SCENARIOS: {missing}"
+    assert GEMM in graph and len(graph) > 30  # the search found the package's kernels
+
+
+def test_every_switch_value_is_launched(records):
+    for kernel, switches in SWITCHES.items():
+        for switch, wanted in switches.items():
+            seen = {dict(r.constexprs)[switch] for r in records if r.name == kernel}
+            assert wanted <= seen, f"{kernel}: no scenario launches {switch} = {sorted(wanted - seen)}"
+
+
+def _reason(error: str) -> str:
+    """A CompilationError's place (its first line) and cause (its last)."""
+    lines = [line for line in error.splitlines() if line.strip()]
+    return " ... ".join(dict.fromkeys([lines[0], lines[-1]]))
+
+
+def test_every_launch_compiles_for_the_gpu(compiled):
+    failures = [f"{job.describe()}\n    {_reason(error)}" for job, error in compiled.items() if error]
+    assert not failures, f"{len(failures)} of {len(compiled)} launches do not compile:\n" + "\n".join(failures)
+    assert {(job.arch, job.full) for job in compiled} == {(90, True), (90, False), (80, True), (80, False)}
+    assert any("*bf16" in dict(job.record.signature).values() for job in compiled)  # the bfloat16 twins
