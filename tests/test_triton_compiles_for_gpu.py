@@ -38,6 +38,7 @@ from moe.experts._triton import config as cfg  # noqa: E402
 from moe.experts._triton.align import align_block_size  # noqa: E402
 from moe.experts._triton.align import workspace_buffers as align_buffers  # noqa: E402
 from moe.experts._triton.gemm import ACTIVATION_CODES, QUANT_CODES, ROW_CODES  # noqa: E402
+from moe.experts._triton.decode import DecodeConfig, DecodeTile  # noqa: E402
 from moe.experts._triton.rows import FP8_MODES  # noqa: E402
 from moe.experts._triton.support import config_key  # noqa: E402
 from moe.experts._triton.weights import prepare_triton_weights  # noqa: E402
@@ -80,6 +81,17 @@ def standard(quant, activation="silu", tokens=5, *, config=None, weight_only=Fal
     patch = mock.patch.object(cfg.ConfigTable, "lookup", lambda self, m: config) if config else nullcontext()
     with patch:
         run_prepared(experts, prepared, torch.randn(tokens, p.hidden_size).to(p.dtype), make_topk(tokens, p))
+
+
+FMA_TILES = DecodeConfig(DecodeTile(32, 64, 2, 1, dot=False), DecodeTile(32, 64, 2, 1, dot=False))
+DOT_TILES = DecodeConfig(DecodeTile(32, 64, 1, 16, dot=True), DecodeTile(32, 64, 2, 16, dot=True))
+
+
+def decode(tokens, config, activation="swiglu_oai"):
+    """The MXFP4 decode kernels (`_triton/decode.py`, M * k <= 256) under ``config``: gemm, the split
+    sums' epilogues, and for more than one token the unpadded alignment."""
+    with mock.patch("moe.experts.triton.decode_config", lambda m: config):
+        standard("mxfp4", activation, tokens=tokens, bias=activation == "swiglu_oai")
 
 
 def batched(quant, activation="silu", tokens=5, **problem):
@@ -127,6 +139,8 @@ SCENARIOS = {
     "fp8 block weight-only": lambda: standard("fp8_block", "relu2", weight_only=True),
     "fp16 silu TMA": lambda: standard("fp16", config=TMA),
     "fp8 block TMA": lambda: standard("fp8_block", config=TMA),
+    "mxfp4 decode one token fma": lambda: decode(1, FMA_TILES),
+    "mxfp4 decode grouped dot, one split": lambda: decode(3, DOT_TILES, activation="silu"),
     "batched fp8 tensor": lambda: batched("fp8"),
     "batched mxfp4": lambda: batched("mxfp4", "swiglu_oai", bias=True),
     "align two launches": lambda: align(4100, with_map=False),
@@ -147,6 +161,7 @@ SWITCHES = {
     "moe.experts._triton._rows.combine_kernel": {"CHECK_LOCAL": BOTH},
     "moe.experts._triton._align.align_fused_kernel": {"HAS_MAP": BOTH},
     "moe.experts._triton._align.rank_kernel": {"HAS_MAP": BOTH},
+    "moe.experts._triton._decode.decode_gemm_kernel": {"DOT": BOTH, "GROUPED": BOTH, "FUSED": BOTH},
     "moe.routing._fused.route_kernel": {"SCORE": set(range(len(SCORE_NAMES))), "ON_LOGITS": BOTH,
                                         "HAS_BIAS": BOTH, "RENORMALIZE": BOTH},
 }

@@ -122,13 +122,21 @@ def record_launches():
         KernelInterface.__getitem__ = original
 
 
+# constexpr switches that only a bfloat16 launch on a GPU turns on (the decode kernels' packed bf16x2 PTX
+# dequantization): the bfloat16 twin of a CPU launch compiles with them on
+GPU_ONLY_SWITCHES = {"moe.experts._triton._decode.decode_gemm_kernel": {"ASM": True}}
+
+
 def bfloat16_twin(record: LaunchRecord) -> LaunchRecord | None:
     """``record`` with its float16 tensors in bfloat16, or None when it has none. float16 stands for
     the model's dtype in CPU runs (activations, outputs, dense weights); scales and router weights
-    are float32 in both, and a float32 run is a float32 model (kept as it is)."""
+    are float32 in both, and a float32 run is a float32 model (kept as it is). `GPU_ONLY_SWITCHES`
+    are set in the twin."""
     if not any("fp16" in t for _, t in record.signature):
         return None
-    return replace(record, signature=tuple((n, t.replace("fp16", "bf16")) for n, t in record.signature))
+    switches = GPU_ONLY_SWITCHES.get(record.name, {})
+    return replace(record, signature=tuple((n, t.replace("fp16", "bf16")) for n, t in record.signature),
+                   constexprs=tuple((n, switches.get(n, v)) for n, v in record.constexprs))
 
 
 def _types(record: LaunchRecord) -> str:
