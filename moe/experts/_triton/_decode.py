@@ -18,7 +18,7 @@ The weight format lives in `_weight_half_tiles` and its scale decoders: NVFP4 pl
 import triton
 import triton.language as tl
 
-from moe.experts._triton._gemm import _MXFP4, _NVFP4, _activate, _dot, _fp4_half_tiles
+from moe.experts._triton._gemm import _NVFP4, _activate, _dot, _fp4_half_tiles, _fp4_scale_words
 from moe.experts._triton._lang import cdiv_, cumsum_, sum_
 
 # e2m1 codes of 4 bytes -> 8 bfloat16 values times the scale, 2 per register. The code's magnitude
@@ -139,12 +139,7 @@ def _k_loop(acc, acc_up, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wn, ws
         a_ptrs, a_ok = _a_pointers(a_ptr, a_rows, row_ok, stride_am, kk * BLOCK_K, groups_left, DOT, BLOCK_K)
         a_lo = tl.load(a_ptrs, mask=a_ok, other=0.0)
         a_hi = tl.load(a_ptrs + 16, mask=a_ok, other=0.0)
-        if SCALES == _NVFP4:
-            byte = group * 2
-        else:
-            byte = group
-        s_ptrs = s_base + (byte // 4) * stride_wsk
-        shifts = (byte % 4) * 8
+        s_ptrs, shifts = _fp4_scale_words(s_base, group, stride_wsk, SCALES)
         w_lo, w_hi = _weight_half_tiles(w_ptrs, s_ptrs, shifts, g3 < groups_left, SCALES, a_lo.dtype, EVEN_K,
                                         ASM, BLOCK_K, BLOCK_N)
         acc = _accumulate(acc, a_lo, a_hi, w_lo, w_hi, DOT, IEEE)

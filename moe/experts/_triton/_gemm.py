@@ -132,6 +132,17 @@ def _fp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, SCALES: tl.constexpr, dtyp
 
 
 @triton.jit
+def _fp4_scale_words(s_base, group, stride_wsk, SCALES: tl.constexpr):
+    """(pointers, bit shifts) of group ``group``'s scale in the scale words at ``s_base``: byte g of the
+    words (MXFP4), or bytes 2g and 2g + 1 (NVFP4: a scale per 16; the shift is the first's)."""
+    if SCALES == _NVFP4:
+        byte = group * 2
+    else:
+        byte = group
+    return s_base + (byte // 4) * stride_wsk, (byte % 4) * 8
+
+
+@triton.jit
 def _fp4_loop(acc, acc_up, a_ptr, a_rows, stride_am, stride_ak, w_base, stride_wn, stride_wk,
               ws_base, stride_wsn, stride_wsk, offs_n, N, K,
               SCALES: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
@@ -156,12 +167,7 @@ def _fp4_loop(acc, acc_up, a_ptr, a_rows, stride_am, stride_ak, w_base, stride_w
             a_ok = (offs_b // 16)[None, :] < groups_left
             a_lo = tl.load(a_ptrs, mask=a_ok, other=0.0)
             a_hi = tl.load(a_ptrs + 16 * stride_ak, mask=a_ok, other=0.0)
-        if SCALES == _NVFP4:
-            byte = group * 2
-        else:
-            byte = group
-        s_ptrs = s_base + (byte // 4) * stride_wsk
-        shifts = (byte % 4) * 8
+        s_ptrs, shifts = _fp4_scale_words(s_base, group, stride_wsk, SCALES)
         w_lo, w_hi = _fp4_half_tiles(w_ptrs, s_ptrs, shifts, g3 < groups_left, SCALES, a_lo.dtype, EVEN_K,
                                      BLOCK_K, BLOCK_N)
         acc = _dot(a_lo, w_lo, acc, IEEE)
