@@ -186,7 +186,8 @@ def sibling_table_path(key: ConfigKey, directory: Path) -> Path | None:
     """A table of the same problem tuned on a sibling GPU (another preset of the same architecture,
     `moe.oracle.profile.sibling_kinds`: H100 <-> H200, one chip with the same SMs and shared memory)
     for a device that has none of its own: its launch configs fit this device's limits, and they beat
-    the untuned default there (H100, Qwen3-30B-A3B bf16 at M = 1024: benchmarks/results/README)."""
+    the untuned default there (H100, Qwen3-30B-A3B bf16: 1.37x at M = 1024;
+    benchmarks/results/bf16_nvidia-h100.md)."""
     from moe.oracle.profile import sibling_kinds
     from moe.platform import Platform, preset_for_device
 
