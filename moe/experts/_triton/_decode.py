@@ -18,7 +18,7 @@ The weight format lives in `_weight_half_tiles` and its scale decoders: NVFP4 pl
 import triton
 import triton.language as tl
 
-from moe.experts._triton._gemm import _NVFP4, _activate, _dot, _fp4_half_tiles, _fp4_scale_words
+from moe.experts._triton._gemm import _NVFP4, _activate, _dot, _fp4_half_tiles, _fp4_load, _fp4_scale_words
 from moe.experts._triton._lang import cdiv_, cumsum_, sum_
 
 # e2m1 codes of 4 bytes -> 8 bfloat16 values times the scale, 2 per register. The code's magnitude
@@ -76,12 +76,7 @@ def _weight_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, SCALES: tl.constexpr, d
     if not ASM:
         low, high = _fp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, SCALES, dtype, EVEN_K, BLOCK_K, BLOCK_N)
     else:
-        if EVEN_K:
-            packed = tl.load(w_ptrs)
-            words = tl.load(s_ptrs)
-        else:
-            packed = tl.load(w_ptrs, mask=group_ok, other=0)
-            words = tl.load(s_ptrs, mask=group_ok, other=0)
+        packed, words = _fp4_load(w_ptrs, s_ptrs, group_ok, EVEN_K)
         scale = _e8m0_bf16_biased((words >> shifts) & 255)
         low, high = tl.inline_asm_elementwise(_E2M1_BF16X2, "=r,=r,=r,=r,r,r,r", [packed, scale],
                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)

@@ -106,6 +106,18 @@ def _e2m1_scaled(bits, factor, dtype: tl.constexpr):
 
 
 @triton.jit
+def _fp4_load(w_ptrs, s_ptrs, group_ok, EVEN_K: tl.constexpr):
+    """One K step's packed fp4 bytes and their groups' scale words (groups past K read as 0)."""
+    if EVEN_K:
+        packed = tl.load(w_ptrs)
+        words = tl.load(s_ptrs)
+    else:
+        packed = tl.load(w_ptrs, mask=group_ok, other=0)
+        words = tl.load(s_ptrs, mask=group_ok, other=0)
+    return packed, words
+
+
+@triton.jit
 def _fp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, SCALES: tl.constexpr, dtype: tl.constexpr,
                     EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """One K step of MXFP4 or NVFP4 (``SCALES``) weights, dequantized: the half-tiles ``[BLOCK_K/2,
@@ -118,12 +130,7 @@ def _fp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, SCALES: tl.constexpr, dtyp
     A code's three magnitude bits go to bits 9..11 of a float16 (exponent bits 10..11, top mantissa
     bit 9) and its sign to bit 15: that float16 is the e2m1 value times 2**-14, subnormals included.
     """
-    if EVEN_K:
-        packed = tl.load(w_ptrs)
-        words = tl.load(s_ptrs)
-    else:
-        packed = tl.load(w_ptrs, mask=group_ok, other=0)
-        words = tl.load(s_ptrs, mask=group_ok, other=0)
+    packed, words = _fp4_load(w_ptrs, s_ptrs, group_ok, EVEN_K)
     factor_low, factor_high = _fp4_factors(words, shifts, SCALES)
     packed = packed.to(tl.int32)
     low = _e2m1_scaled(((packed & 0x08) << 12) | ((packed & 0x07) << 9), factor_low, dtype)
