@@ -111,7 +111,8 @@ class TritonExperts(Experts):
         if tokens == 0:
             return ExpertsOutput(OutputKind.REDUCED, out)
         ids = dispatched.topk.ids
-        if dispatched.x.fmt is QuantFormat.NONE and uses_decode(weights, p.quant.activation, slots):
+        act = QuantFormat.NONE if weights.weight_only else p.quant.activation  # what the GEMMs read
+        if dispatched.x.fmt is QuantFormat.NONE and uses_decode(weights, act, slots):
             return ExpertsOutput(OutputKind.REDUCED, decode_experts(
                 dispatched.x.data, ids, dispatched.topk.weights, weights, p.activation, p.local_num_experts,
                 decode_config(tokens), workspace, out))
@@ -125,7 +126,6 @@ class TritonExperts(Experts):
             rows1, rows2 = SortedRows(layout, slots, k), SortedRows(layout, slots, 1)
         # 2. first GEMM with the activation fused in
         x, x_scale = dispatched.x.data, dispatched.x.scale
-        act = QuantFormat.NONE if weights.weight_only else p.quant.activation
         if dispatched.x.fmt is QuantFormat.NONE:
             x, x_scale = quantize_activation(x, act, "x", workspace, RowValidity())
         inter = workspace["inter"][:slots]

@@ -69,7 +69,7 @@ def _e8m0_bf16_biased(scale_bytes):
 @triton.jit
 def _weight_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, SCALES: tl.constexpr, dtype: tl.constexpr,
                        EVEN_K: tl.constexpr, ASM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One K step of MXFP4 weights dequantized: the ``[BLOCK_K/2, BLOCK_N]`` half-tiles of the low
+    """One K step of fp4 weights dequantized: the ``[BLOCK_K/2, BLOCK_N]`` half-tiles of the low
     and high nibbles (weights.py's half-split layout; pointers as in `_gemm._fp4_half_tiles`).
     ``SCALES``: MXFP4 or NVFP4 (`_gemm`'s codes). ``ASM``: packed bf16x2 PTX (4 bytes per call, MXFP4 in
     bfloat16 only); else `_gemm`'s exact float32 math."""
@@ -88,9 +88,10 @@ def _weight_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, SCALES: tl.constexpr, d
 @triton.jit
 def _accumulate(acc, a_lo, a_hi, w_lo, w_hi, DOT: tl.constexpr, IEEE: tl.constexpr):
     """``acc += a_lo @ w_lo + a_hi @ w_hi``. ``DOT``: tensor cores with the operands swapped,
-    ``acc^T [BLOCK_N, BLOCK_M] += w^T @ a^T`` (A given transposed, ``[BLOCK_K/2, BLOCK_M]``): the
-    dequantized weights are the MMA's first operand, which may stay in registers, and the few
-    activation rows are the narrow second one. Else float32 FMAs into ``[BLOCK_M, BLOCK_K/2,
+    ``acc^T [BLOCK_N, BLOCK_M] += w^T @ a^T`` (A given transposed, ``[BLOCK_K/2, BLOCK_M]``): the few
+    activation rows are the MMA's narrow side (16), the dequantized weights its register operand --
+    which Triton 3.6 still stages through shared memory to reach that layout (ncu:
+    benchmarks/results/mxfp4_decode_nvidia-h100.md). Else float32 FMAs into ``[BLOCK_M, BLOCK_K/2,
     BLOCK_N]``, reduced over K after the loop (few rows)."""
     # if/else rather than an early return: Triton on the GPU type-checks the code after a constexpr return
     if DOT:

@@ -82,9 +82,10 @@ def decode_config(num_tokens: int) -> DecodeConfig:
 
 
 def uses_decode(weights: TritonWeights, activation_fmt: QuantFormat, num_slots: int) -> bool:
-    """Whether a forward of ``num_slots`` slots takes the decode path: MXFP4 or NVFP4 weights with
-    unquantized activations (NVFP4 always runs weight-only here), few slots."""
-    return (weights.w13.fmt in DECODE_FORMATS and (activation_fmt is QuantFormat.NONE or weights.weight_only)
+    """Whether a forward of ``num_slots`` slots takes the decode path: MXFP4 or NVFP4 weights, the GEMMs
+    reading unquantized activations (``activation_fmt``: NONE also where the weights run weight-only,
+    as NVFP4 always does here), few slots."""
+    return (weights.w13.fmt in DECODE_FORMATS and activation_fmt is QuantFormat.NONE
             and 0 < num_slots <= DECODE_MAX_SLOTS)
 
 
@@ -149,8 +150,7 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor, part: torch.Tens
         ACTIVATION=ACTIVATION_CODES[None if activation is None else activation.kind], HAS_BIAS=w.bias is not None,
         FUSED=fused, SPLITS=tile.splits, E_PAD=experts_pad(routing.num_local), EVEN_K=k % tile.block_k == 0,
         IEEE=a.dtype == torch.float32, DOT=tile.dot, ASM=asm, SCALES=QUANT_CODES[w.fmt], BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
 
 
