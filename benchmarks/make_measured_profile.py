@@ -49,6 +49,7 @@ MACHINES = {
         "bf16_gpt-oss_deepseek_nvidia-h100.json": ("records", None),
         "mxfp4_gpt-oss-120b_nvidia-h100.json": ("records", None),
         "fp8_block_nvidia-h100.json": ("records", None),
+        "fp8_block_qwen3_tuned_nvidia-h100.json": ("records", None),  # after the H100 fp8_block table (Qwen3)
     }, "measured on nvidia-h100 (2026-11-25) by python -m moe bench --json"),
 }
 
