@@ -37,6 +37,14 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     tma: bool = False  # weight tiles by TMA (SM90+; dense and fp8 weights whose rows are 16-byte multiples)
+    # A tiles by TMA too, from rows gathered into sorted order first, in a warp-specialized kernel
+    # (gemm_ws.py): dense weights, the standard format's sorted path; needs ``tma``
+    ws: bool = False
+
+    def __post_init__(self):
+        if self.ws and not self.tma:
+            raise MoEConfigError(f"ws=True needs tma=True: the warp-specialized GEMM loads every tile by "
+                                 f"TMA (got {self})")
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,11 @@ class LaunchConfig:
     def __post_init__(self):
         if self.block_m not in BLOCK_MS:
             raise MoEConfigError(f"block_m must be one of {BLOCK_MS} (got {self.block_m})")
+        if self.gemm2.ws and not self.gemm1.ws:
+            raise MoEConfigError(f"gemm2.ws=True needs gemm1.ws=True: the second GEMM reads its A tiles from "
+                                 f"the intermediate rows the first writes in sorted order (got {self})")
+        if self.direct and self.gemm1.ws:
+            raise MoEConfigError(f"ws=True tiles need sorted rows; a direct config has none (got {self})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
