@@ -5,6 +5,7 @@ Layout, one concept per module; each launcher module holds the launcher and its 
 
     align.py   / _align.py    sort the (token, slot) pairs by expert and pad each expert to BLOCK_M
     gemm.py    / _gemm.py     the grouped GEMMs: w13 with the activation fused in, then w2
+    gemm_ws.py / _gemm_ws.py  ws=True tiles: rows gathered in sorted order, A and W by TMA, warp-specialized
     rows.py    / _rows.py     per-row helpers: fp8 activation quantization, weighted sum over k
     _lang.py                  jit'd twins of triton.language helpers (interpreter-safe)
     config.py                 launch configurations: data files per shape and device, defaults

@@ -11,23 +11,7 @@ padding included) or to row ``slot[r]`` (the rows that hold a slot).
 import triton
 import triton.language as tl
 
-from moe.experts._triton._gemm import _activate, _dot, _tile_coords
-from moe.experts._triton._lang import cdiv_, sum_
-
-
-@triton.jit
-def _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(expert, rows): the local expert of sorted block ``pid_m`` (``num_experts`` when the block lies
-    past the last segment) and how many of its rows hold a slot (the rest are padding)."""
-    first = pid_m * BLOCK_M
-    experts = tl.arange(0, E_PAD)
-    is_expert = experts < num_experts
-    ends = tl.load(ends_ptr + experts, mask=is_expert, other=0)
-    counts = tl.load(counts_ptr + experts, mask=is_expert, other=0)
-    expert = sum_(((ends <= first) & is_expert).to(tl.int32), 0)  # segments ending before it
-    count = sum_(tl.where(experts == expert, counts, 0), 0)
-    segment_start = sum_(tl.where(experts == expert, ends, 0), 0) - cdiv_(count, BLOCK_M) * BLOCK_M
-    return expert, count - (first - segment_start)
+from moe.experts._triton._gemm import _activate, _block_segment, _dot, _tile_coords
 
 
 @triton.jit(do_not_specialize=["num_experts"])
