@@ -33,22 +33,24 @@ from moe.tools.tune import make_case, time_configs  # noqa: E402
 
 PRESETS = ("mixtral-8x7b", "deepseek-v3-ep8-slice", "qwen3-30b-a3b")
 TOKENS = (256, 1024, 4096)
-# (block_m, block_n, num_warps, num_stages, gemm2 ws): 4 warps is what Triton 3.6 warp-specializes on
-# SM90; the 8-warp ones run the same descriptor loop unspecialized
-CANDIDATES = ((128, 128, 4, 4, True), (128, 128, 4, 3, True), (128, 256, 4, 3, True), (64, 128, 4, 4, True),
-              (64, 256, 4, 3, True), (128, 128, 8, 3, True), (128, 256, 8, 3, True), (64, 128, 8, 4, True),
-              (128, 128, 4, 4, False))
+# (block_m, block_n, num_warps, num_stages, gemm2 ws, persistent): 4 warps is what Triton 3.6
+# warp-specializes on SM90; the 8-warp ones run the same descriptor loop unspecialized
+CANDIDATES = ((128, 128, 4, 4, True, False), (128, 128, 4, 3, True, False), (128, 256, 4, 3, True, False),
+              (64, 128, 4, 4, True, False), (64, 256, 4, 3, True, False), (128, 128, 8, 3, True, False),
+              (128, 256, 8, 3, True, False), (64, 128, 8, 4, True, False), (128, 128, 4, 4, False, False),
+              (128, 128, 4, 4, True, True), (128, 256, 4, 3, True, True), (64, 128, 4, 4, True, True))
 
 
-def ws_config(block_m: int, block_n: int, num_warps: int, num_stages: int, gemm2_ws: bool) -> LaunchConfig:
-    tile = TileConfig(block_n, 64, 8, num_warps, num_stages, tma=True, ws=True)
-    return LaunchConfig(block_m, tile, dataclasses.replace(tile, ws=gemm2_ws))
+def ws_config(block_m: int, block_n: int, num_warps: int, num_stages: int, gemm2_ws: bool,
+              persistent: bool) -> LaunchConfig:
+    tile = TileConfig(block_n, 64, 8, num_warps, num_stages, tma=True, ws=True, persistent=persistent)
+    return LaunchConfig(block_m, tile, dataclasses.replace(tile, ws=gemm2_ws, persistent=persistent and gemm2_ws))
 
 
 def label(config: LaunchConfig) -> str:
     t = config.gemm1
-    return f"m{config.block_m} n{t.block_n} k{t.block_k} w{t.num_warps} s{t.num_stages}" + (
-        "" if config.gemm2.ws else " (gemm2 pointer)")
+    return (f"m{config.block_m} n{t.block_n} k{t.block_k} w{t.num_warps} s{t.num_stages}"
+            + (" persistent" if t.persistent else "") + ("" if config.gemm2.ws else " (gemm2 pointer)"))
 
 
 def runnable(case, config: LaunchConfig) -> str | None:

@@ -67,6 +67,7 @@ TMA = cfg.LaunchConfig(16, tile(tma=True), tile(64, 32, tma=True))
 # ws tiles: BLOCK_M 64, 4 warps (one wgmma warpgroup), so that Triton warp-specializes the K loop
 WS = cfg.LaunchConfig(64, cfg.TileConfig(64, 64, tma=True, ws=True), cfg.TileConfig(64, 64, tma=True, ws=True))
 WS_GEMM1 = cfg.LaunchConfig(64, cfg.TileConfig(64, 32, tma=True, ws=True), tile(64, 32, tma=True))
+WS_PERSISTENT = cfg.LaunchConfig(64, *[cfg.TileConfig(64, 64, tma=True, ws=True, persistent=True)] * 2)
 EP_MAP = (-1, 0, -1, -1, 1, -1, 2, -1)  # experts 1, 4, 6 of 8 live here
 
 
@@ -143,6 +144,7 @@ SCENARIOS = {
     "fp16 silu TMA": lambda: standard("fp16", config=TMA),
     "fp8 block TMA": lambda: standard("fp8_block", config=TMA),
     "fp16 silu ws": lambda: standard("fp16", config=WS),
+    "fp16 relu2 ws persistent": lambda: standard("fp16", "relu2", tokens=40, config=WS_PERSISTENT),
     "fp32 relu2 ws gemm1 expert map bias": lambda: standard("fp32", "relu2", config=WS_GEMM1, E=8, k=3,
                                                             expert_map=EP_MAP, bias=True),
     "mxfp4 decode one token fma": lambda: decode(1, FMA_TILES),
@@ -164,7 +166,8 @@ SWITCHES = {
     GEMM: {"ROWS": set(ROW_CODES.values()), "QUANT": set(QUANT_CODES.values()),
            "ACTIVATION": set(ACTIVATION_CODES.values()), "GATED": BOTH, "WEIGHT_ONLY": BOTH, "HAS_BIAS": BOTH,
            "HAS_MAP": BOTH, "EVEN_K": BOTH, "IEEE": BOTH, "W_TMA": BOTH},
-    WS_GEMM: {"GATED": BOTH, "OUT_SORTED": BOTH, "WARP_SPECIALIZE": BOTH, "HAS_BIAS": BOTH, "IEEE": BOTH},
+    WS_GEMM: {"GATED": BOTH, "OUT_SORTED": BOTH, "WARP_SPECIALIZE": BOTH, "HAS_BIAS": BOTH, "IEEE": BOTH,
+              "PERSISTENT": BOTH},
     "moe.experts._triton._gemm_ws.gather_rows_kernel": {"A_ROW_DIV": {2, 3}},
     "moe.experts._triton._rows.fp8_quant_kernel": {"MODE": set(FP8_MODES.values()), "VALID": {0, 1, 2}},
     "moe.experts._triton._rows.combine_kernel": {"CHECK_LOCAL": BOTH},
@@ -227,14 +230,15 @@ def test_every_launch_compiles_for_the_gpu(compiled):
     assert any("*bf16" in dict(job.record.signature).values() for job in compiled)  # the bfloat16 twins
 
 
-def test_ws_gemm_is_warp_specialized(records):
+@pytest.mark.parametrize("persistent", [False, True])
+def test_ws_gemm_is_warp_specialized(records, persistent):
     """The ws GEMM's recorded launch, in bfloat16 for sm90, really is warp-specialized: Triton's pass
     made a ``ttg.warp_specialize`` region (a TMA producer warp beside the wgmma warps) and the PTX
     moves registers between them (``setmaxnreg``). The pass gives up silently (a plain pipelined loop)
-    on a kernel with a ``return`` or with 8 warps, and fails on a pointer load in the loop."""
+    with 8 warps, and fails on a kernel with a ``return`` or a pointer load in the loop."""
     ws = [r for r in records if r.name == WS_GEMM and dict(r.constexprs)["WARP_SPECIALIZE"]
-          and dict(r.options).get("num_warps") == 4]
-    assert ws, "no recorded ws launch with WARP_SPECIALIZE and 4 warps"
+          and dict(r.constexprs)["PERSISTENT"] == persistent and dict(r.options).get("num_warps") == 4]
+    assert ws, f"no recorded ws launch with WARP_SPECIALIZE, PERSISTENT={persistent} and 4 warps"
     job = launches.CompileJob(launches.bfloat16_twin(ws[0]), 90)
     with launches.Compiler(workers=1) as compiler:
         asm = compiler.submit_call(launches.compiled_asm, job).result()

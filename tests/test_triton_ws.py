@@ -23,9 +23,10 @@ from tests.test_triton_weight_only import run
 EP_MAP = (-1, 0, -1, -1, 1, -1, 2, -1)  # experts 1, 4, 6 of 8 live here
 
 
-def ws_config(block_m=16, gemm2_ws=True, block_n=32, block_k=32) -> cfg.LaunchConfig:
-    gemm1 = cfg.TileConfig(block_n, block_k, tma=True, ws=True)
-    return cfg.LaunchConfig(block_m, gemm1, cfg.TileConfig(block_n, block_k, tma=True, ws=gemm2_ws))
+def ws_config(block_m=16, gemm2_ws=True, block_n=32, block_k=32, persistent=False) -> cfg.LaunchConfig:
+    gemm1 = cfg.TileConfig(block_n, block_k, tma=True, ws=True, persistent=persistent)
+    gemm2 = cfg.TileConfig(block_n, block_k, tma=True, ws=gemm2_ws, persistent=persistent and gemm2_ws)
+    return cfg.LaunchConfig(block_m, gemm1, gemm2)
 
 
 def forward(p, weights, x, topk, config, monkeypatch) -> torch.Tensor:
@@ -41,17 +42,19 @@ def forward(p, weights, x, topk, config, monkeypatch) -> torch.Tensor:
     ("fp32", "swiglu_oai", True, EP_MAP),
     ("fp32", "gelu", False, None),
 ])
-@pytest.mark.parametrize("gemm2_ws", [True, False])
-def test_ws_matches_reference_and_pointer_path(tokens, quant, activation, bias, expert_map, gemm2_ws, monkeypatch):
+@pytest.mark.parametrize("gemm2_ws,persistent", [(True, False), (False, False), (True, True)])
+def test_ws_matches_reference_and_pointer_path(tokens, quant, activation, bias, expert_map, gemm2_ws, persistent,
+                                               monkeypatch):
     """Ragged M (1 token: most experts get no row, the hit ones one), gated and not, biases, an expert map;
-    GEMM2 by descriptor from the sorted intermediate, or by the pointer kernel from the scattered one.
+    GEMM2 by descriptor from the sorted intermediate, or by the pointer kernel from the scattered one;
+    one program per tile, or persistent (4 programs on the CPU walk all tiles).
     The ws path equals the reference and the pointer path (same tiles, ws off)."""
     torch.manual_seed(tokens)
     p = make_problem(quant, activation, E=8, k=3, bias=bias, expert_map=expert_map)
     weights = make_weights(p)
     x = torch.randn(tokens, p.hidden_size).to(p.dtype)
     topk = make_topk(tokens, p)
-    config = ws_config(gemm2_ws=gemm2_ws)
+    config = ws_config(gemm2_ws=gemm2_ws, persistent=persistent)
     out = forward(p, weights, x, topk, config, monkeypatch).float()
     plain = cfg.LaunchConfig(16, cfg.TileConfig(32, 32, tma=True), cfg.TileConfig(32, 32, tma=True))
     pointer = forward(p, weights, x, topk, plain, monkeypatch).float()
@@ -106,6 +109,8 @@ def test_workspace_has_room_for_padding_rows_when_dense():
 def test_ws_configs_refused():
     with pytest.raises(MoEConfigError, match="ws=True needs tma=True"):
         cfg.TileConfig(32, 32, ws=True)
+    with pytest.raises(MoEConfigError, match="persistent=True needs ws=True"):
+        cfg.TileConfig(32, 32, tma=True, persistent=True)
     ws, plain = cfg.TileConfig(32, 32, tma=True, ws=True), cfg.TileConfig(32, 32, tma=True)
     with pytest.raises(MoEConfigError, match="gemm2.ws=True needs gemm1.ws=True"):
         cfg.LaunchConfig(16, plain, ws)

@@ -23,10 +23,10 @@ pytest.importorskip("triton")
 PRESETS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3-ep8-slice")
 
 
-def ws_tiles(block_m=128, block_n=128, gemm2_ws=True, **tile) -> LaunchConfig:
+def ws_tiles(block_m=128, block_n=128, gemm2_ws=True, persistent=False) -> LaunchConfig:
     """4 warps: Triton 3.6 warp-specializes a loop of one wgmma warpgroup (8 warps: not specialized)."""
-    first = TileConfig(block_n, 64, 8, tile.get("num_warps", 4), tile.get("num_stages", 4), tma=True, ws=True)
-    second = dataclasses.replace(first, ws=gemm2_ws)
+    first = TileConfig(block_n, 64, 8, 4, 4 if block_n == 128 else 3, tma=True, ws=True, persistent=persistent)
+    second = dataclasses.replace(first, ws=gemm2_ws, persistent=persistent and gemm2_ws)
     return LaunchConfig(block_m, first, second)
 
 
@@ -52,8 +52,9 @@ def layer(request):
 
 
 @pytest.mark.parametrize("tokens", [256, 1024])
-@pytest.mark.parametrize("config", [ws_tiles(), ws_tiles(64, 128), ws_tiles(128, 256, gemm2_ws=False)],
-                         ids=["128x128", "64x128", "128x256-gemm1-only"])
+@pytest.mark.parametrize("config", [ws_tiles(), ws_tiles(64, 128), ws_tiles(128, 256, gemm2_ws=False),
+                                    ws_tiles(persistent=True)],
+                         ids=["128x128", "64x128", "128x256-gemm1-only", "128x128-persistent"])
 def test_ws_equals_pointer_path_and_reference(layer, tokens, config):
     p, experts, prepared, weights = layer
     x = torch.randn(tokens, p.hidden_size, device="cuda", dtype=p.dtype)
@@ -68,6 +69,7 @@ def test_ws_equals_pointer_path_and_reference(layer, tokens, config):
         assert_close_moe(got, reference(p, x, topk, weights), regime_for(p), context=f"{config}")
 
 
-def test_ws_cuda_graph_replay_equals_eager(layer):
+@pytest.mark.parametrize("persistent", [False, True])
+def test_ws_cuda_graph_replay_equals_eager(layer, persistent):
     p, experts, prepared, _ = layer
-    assert_replay_equals_eager_without_sync(experts, only(prepared, ws_tiles(), 256), p, 256)
+    assert_replay_equals_eager_without_sync(experts, only(prepared, ws_tiles(persistent=persistent), 256), p, 256)

@@ -11,7 +11,8 @@ padding included) or to row ``slot[r]`` (the rows that hold a slot).
 import triton
 import triton.language as tl
 
-from moe.experts._triton._gemm import _activate, _block_segment, _dot, _tile_coords
+from moe.experts._triton._gemm import _activate, _block_segment, _dot, _grouped_tile
+from moe.experts._triton._lang import cdiv_
 
 
 @triton.jit(do_not_specialize=["num_experts"])
@@ -46,24 +47,15 @@ def _ws_loop(a_desc, w_desc, m0, w_row, N, k_end, GATED: tl.constexpr, IEEE: tl.
     return acc, acc_up
 
 
-# the token-dependent counts are not specialized on, so one compiled kernel serves every M
-@triton.jit(do_not_specialize=["num_m_blocks", "num_experts"])
-def moe_gemm_ws_kernel(
-    a_desc, w_desc, bias_ptr, out_ptr, rows_ptr, ends_ptr, counts_ptr,
-    num_m_blocks, num_experts, N, K, w_rows, stride_be, stride_bn, stride_om, stride_on,
-    alpha, beta, limit,
-    GATED: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_SORTED: tl.constexpr,
-    IEEE: tl.constexpr, E_PAD: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """One (m block, n block) tile of ``out = act(a_sorted @ w[expert].T + bias)``: ``a_desc`` the
-    sorted rows ``[rows, K]`` (block ``[BLOCK_M, BLOCK_K]``), ``w_desc`` the weights as ``[E * R, K]``
-    (block ``[BLOCK_N, BLOCK_K]``). The tail's extra columns read other rows; they are never stored.
-
-    No ``return`` anywhere: Triton 3.6's warp specialization fails on a kernel that has one (an early
-    exit for blocks past the last segment, or one after the loop); such a block runs zero K steps
-    and stores nothing instead."""
-    pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
+@triton.jit
+def _ws_tile(tile, a_desc, w_desc, bias_ptr, out_ptr, rows_ptr, ends_ptr, counts_ptr,
+             num_m_blocks, num_experts, N, K, w_rows, stride_be, stride_bn, stride_om, stride_on,
+             alpha, beta, limit,
+             GATED: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_SORTED: tl.constexpr,
+             IEEE: tl.constexpr, E_PAD: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile number ``tile`` of `moe_gemm_ws_kernel`, its K loop warp-specialized when WARP_SPECIALIZE."""
+    pid_m, pid_n = _grouped_tile(tile, num_m_blocks, N, BLOCK_N, GROUP_M)
     expert, valid = _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD, BLOCK_M)
     live = expert < num_experts
     expert = tl.minimum(expert, num_experts - 1)
@@ -89,3 +81,35 @@ def moe_gemm_ws_kernel(
         out_rows = tl.load(rows_ptr + m0 + offs, mask=row_ok, other=0).to(tl.int64)
     out_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+# the token-dependent counts are not specialized on, so one compiled kernel serves every M
+@triton.jit(do_not_specialize=["num_m_blocks", "num_experts"])
+def moe_gemm_ws_kernel(
+    a_desc, w_desc, bias_ptr, out_ptr, rows_ptr, ends_ptr, counts_ptr,
+    num_m_blocks, num_experts, N, K, w_rows, stride_be, stride_bn, stride_om, stride_on,
+    alpha, beta, limit,
+    GATED: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_SORTED: tl.constexpr,
+    IEEE: tl.constexpr, E_PAD: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PERSISTENT: tl.constexpr,
+    NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """``out = act(a_sorted @ w[expert].T + bias)`` by (m block, n block) tiles: ``a_desc`` the sorted
+    rows ``[rows, K]`` (block ``[BLOCK_M, BLOCK_K]``), ``w_desc`` the weights as ``[E * R, K]`` (block
+    ``[BLOCK_N, BLOCK_K]``). The tail's extra columns read other rows; they are never stored. One tile
+    per program, its K loop warp-specialized; or ``PERSISTENT``: NUM_SMS programs walk the tiles, the
+    loop over tiles warp-specialized (the producer runs ahead into the next tile's loads).
+
+    No ``return`` anywhere: Triton 3.6's warp specialization fails on a kernel that has one (an early
+    exit for blocks past the last segment, or one after the loop); such a block runs zero K steps
+    and stores nothing instead."""
+    if PERSISTENT:
+        total = num_m_blocks * cdiv_(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), total, NUM_SMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+            _ws_tile(tile, a_desc, w_desc, bias_ptr, out_ptr, rows_ptr, ends_ptr, counts_ptr, num_m_blocks,
+                     num_experts, N, K, w_rows, stride_be, stride_bn, stride_om, stride_on, alpha, beta, limit, GATED, ACTIVATION, HAS_BIAS, OUT_SORTED, IEEE, E_PAD, False,
+                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    else:
+        _ws_tile(tl.program_id(0), a_desc, w_desc, bias_ptr, out_ptr, rows_ptr, ends_ptr, counts_ptr, num_m_blocks,
+                 num_experts, N, K, w_rows, stride_be, stride_bn, stride_om, stride_on, alpha, beta, limit, GATED, ACTIVATION, HAS_BIAS, OUT_SORTED, IEEE, E_PAD, WARP_SPECIALIZE,
+                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)

@@ -40,11 +40,15 @@ class TileConfig:
     # A tiles by TMA too, from rows gathered into sorted order first, in a warp-specialized kernel
     # (gemm_ws.py): dense weights, the standard format's sorted path; needs ``tma``
     ws: bool = False
+    persistent: bool = False  # ws tiles only: one program per SM walks the tiles (`_gemm_ws.py`)
 
     def __post_init__(self):
         if self.ws and not self.tma:
             raise MoEConfigError(f"ws=True needs tma=True: the warp-specialized GEMM loads every tile by "
                                  f"TMA (got {self})")
+        if self.persistent and not self.ws:
+            raise MoEConfigError(f"persistent=True needs ws=True: only the ws kernel has a persistent form "
+                                 f"(got {self})")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ read them) and ``inter_sorted`` in ``inter``'s; both buffers have room for the p
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moe.activation import Activation
@@ -46,6 +48,12 @@ def gather_sorted_rows(src: torch.Tensor, layout: BlockLayout, a_row_div: int, d
         src.stride(0), src.stride(1), dst.stride(0), A_ROW_DIV=a_row_div, E_PAD=experts_pad(num_experts),
         BLOCK_M=layout.block_m, BLOCK_K=_GATHER_BLOCK_K, num_warps=4)
     return dst
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """The streaming multiprocessors of ``device`` (persistent tiles launch one program each); 4 off CUDA."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _check_operands(a_sorted: torch.Tensor, w: WeightOperand) -> None:
@@ -82,10 +90,12 @@ def ws_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tensor, 
         GATED=gated, ACTIVATION=ACTIVATION_CODES[None if act is None else act.kind], HAS_BIAS=w.bias is not None,
         OUT_SORTED=out_sorted, IEEE=fp32, E_PAD=experts_pad(num_experts),
         WARP_SPECIALIZE=not fp32,  # IEEE products are FMA, not wgmma: nothing to specialize
+        PERSISTENT=tile.persistent, NUM_SMS=num_sms(out.device),
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
-    grid = (layout.max_blocks * cdiv(n_out, tile.block_n),)
+    tiles = layout.max_blocks * cdiv(n_out, tile.block_n)
+    grid = (min(tiles, constexprs["NUM_SMS"]) if tile.persistent else tiles,)
     return Launch(grid, args, constexprs, kernel=("gemm_ws", "moe_gemm_ws_kernel"))
 
 
