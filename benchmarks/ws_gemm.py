@@ -1,7 +1,7 @@
 """Sweeps ws=True tiles (warp-specialized, A and W by TMA: gemm_ws.py) against the shipped table's config
 and FlashInfer's CUTLASS MoE, the whole experts stage per cell, on one SM90 GPU in one run (~5 min)::
 
-    python benchmarks/ws_gemm.py --out $OUT/ws_gemm.json
+    timeout 590 python3 benchmarks/ws_gemm.py --out $OUT/ws_gemm.json   # cells also print as they finish
 
 For each preset and M: every candidate config is run once (a tile that does not fit the GPU, or does not
 compile, is reported and dropped), then the table's config and the survivors take turns
@@ -33,24 +33,34 @@ from moe.tools.tune import make_case, time_configs  # noqa: E402
 
 PRESETS = ("mixtral-8x7b", "deepseek-v3-ep8-slice", "qwen3-30b-a3b")
 TOKENS = (256, 1024, 4096)
-# (block_m, block_n, num_warps, num_stages, gemm2 ws, persistent): 4 warps is what Triton 3.6
-# warp-specializes on SM90; the 8-warp one runs the same descriptor loop unspecialized (a control). Each
-# compiles per preset (E_PAD differs): a few seconds each, the most of the run's time on a cold cache.
-CANDIDATES = ((128, 128, 4, 4, True, False), (128, 256, 4, 3, True, False), (64, 128, 4, 4, True, False),
-              (128, 128, 4, 3, True, False), (128, 128, 8, 3, True, False), (128, 128, 4, 4, False, False),
-              (128, 128, 4, 4, True, True), (128, 256, 4, 3, True, True), (64, 128, 4, 4, True, True))
+# (block_m, gemm1 (block_n, num_warps, num_stages), gemm2's, gemm2 ws, persistent). 4 warps is what Triton
+# 3.6 warp-specializes on SM90; the 8-warp one runs the same descriptor loop unspecialized (a control). A
+# gated 128 x 256 tile does not fit in shared memory (248 KB at 3 stages): 256 columns for gemm2 only.
+# Each kernel compiles per preset (E_PAD differs): seconds each, most of a cold run's time.
+CANDIDATES = (
+    (128, (128, 4, 4), (128, 4, 4), True, False),
+    (128, (128, 4, 4), (256, 4, 3), True, False),
+    (64, (128, 4, 4), (128, 4, 4), True, False),
+    (64, (128, 4, 4), (256, 4, 3), True, False),
+    (128, (128, 4, 3), (128, 4, 3), True, False),
+    (128, (128, 8, 3), (128, 8, 3), True, False),
+    (128, (128, 4, 4), (128, 4, 4), False, False),
+    (128, (128, 4, 4), (128, 4, 4), True, True),
+    (128, (128, 4, 4), (256, 4, 3), True, True),
+)
 
 
-def ws_config(block_m: int, block_n: int, num_warps: int, num_stages: int, gemm2_ws: bool,
-              persistent: bool) -> LaunchConfig:
-    tile = TileConfig(block_n, 64, 8, num_warps, num_stages, tma=True, ws=True, persistent=persistent)
-    return LaunchConfig(block_m, tile, dataclasses.replace(tile, ws=gemm2_ws, persistent=persistent and gemm2_ws))
+def ws_config(block_m: int, first: tuple, second: tuple, gemm2_ws: bool, persistent: bool) -> LaunchConfig:
+    def tile(block_n, num_warps, num_stages, ws):
+        return TileConfig(block_n, 64, 8, num_warps, num_stages, tma=True, ws=ws, persistent=persistent and ws)
+
+    return LaunchConfig(block_m, tile(*first, True), tile(*second, gemm2_ws))
 
 
 def label(config: LaunchConfig) -> str:
-    t = config.gemm1
-    return (f"m{config.block_m} n{t.block_n} k{t.block_k} w{t.num_warps} s{t.num_stages}"
-            + (" persistent" if t.persistent else "") + ("" if config.gemm2.ws else " (gemm2 pointer)"))
+    t1, t2 = config.gemm1, config.gemm2
+    return (f"m{config.block_m} n{t1.block_n}/{t2.block_n} w{t1.num_warps} s{t1.num_stages}/{t2.num_stages}"
+            + (" persistent" if t1.persistent else "") + ("" if t2.ws else " (gemm2 pointer)"))
 
 
 def runnable(case, config: LaunchConfig) -> str | None:
@@ -118,8 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, help="JSON file for every time")
     args = parser.parse_args(argv)
-    import triton
-
     platform = Platform.detect()
     cells, start = [], time.time()
     for name in args.presets:
@@ -131,15 +139,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} M={tokens}: table {cell['table_us']:.1f} us, best ws {cell['best_ws']} "
                   f"{cell['best_ws_us']} us, flashinfer {cell['flashinfer_us']} ({time.time() - start:.0f} s)",
                   file=sys.stderr, flush=True)
+            if args.out:  # after every cell: a run cut short keeps what it measured
+                write_json(args.out, cells)
         del weights
         torch.cuda.empty_cache()
     print(markdown(cells))
-    if args.out:
-        meta = dict(device=torch.cuda.get_device_name(), triton=triton.__version__, torch=torch.__version__,
-                    date=time.strftime("%Y-%m-%d"))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(dict(meta=meta, cells=cells), indent=1) + "\n")
     return 0
+
+
+def write_json(path: Path, cells: list[dict]) -> None:
+    import triton
+
+    meta = dict(device=torch.cuda.get_device_name(), triton=triton.__version__, torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(meta=meta, cells=cells), indent=1) + "\n")
 
 
 if __name__ == "__main__":
