@@ -1,7 +1,8 @@
-"""Turns the bench results committed under benchmarks/results/ into the oracle's measured profile
-(moe/oracle/profiles/measured-h200.yaml), so plans on an H200 rank backends by what was measured.
+"""Turns the bench results committed under benchmarks/results/ into the oracle's measured profiles
+(moe/oracle/profiles/measured-<kind>.yaml), so plans on that platform rank backends by what was measured.
 
-    python benchmarks/make_measured_profile.py
+    python benchmarks/make_measured_profile.py                          # every machine below
+    python benchmarks/make_measured_profile.py --machine nvidia-h100    # one
 
 Every entry is one (backend, scheme, preset shape, M) time; the oracle turns it into an efficiency
 against the roofline of that shape and interpolates between token counts.
@@ -9,7 +10,9 @@ against the roofline of that shape and interpolates between token counts.
 
 from __future__ import annotations
 
+import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from moe.oracle.profile import PROFILE_DIR, ProfileEntry, save_profile
@@ -17,36 +20,70 @@ from moe.platform import Platform
 from moe.presets import load_preset
 
 RESULTS = Path(__file__).parent / "results"
-SOURCES = {  # file -> (list key, fixed preset or None to read each record's), in order
-    "triton_profile_bf16_nvidia-h200.json": ("entries", None),
-    "triton_profile_fp8_block_mxfp4_nvidia-h200.json": ("entries", None),
-    "flashinfer_cutlass_gpt-oss-20b_h200.json": ("records", "gpt-oss-20b"),
-    # later files replace earlier measurements of the same backend, scheme, shape and M
-    "triton_mxfp4_nvidia-h200.json": ("records", None),  # after the MXFP4 scale-load rework
-    # session 2: TMA weight tiles, the new alignment, the sync-free torch_grouped, FlashInfer at every preset
-    "fp8_block_nvidia-h200.json": ("records", None),
-    "mxfp4_gpt-oss-120b_nvidia-h200.json": ("records", None),
-    "bf16_qwen3_mixtral_nvidia-h200.json": ("records", None),
-    "bf16_gpt-oss_deepseek_nvidia-h200.json": ("records", None),
+
+
+@dataclass(frozen=True)
+class Machine:
+    """One machine's results: the platform preset they were measured on and the files, in order
+    (later files replace earlier measurements of the same backend, scheme, shape and M)."""
+
+    kind: str  # Platform preset name; the profile is measured-<kind>.yaml
+    sources: dict[str, tuple[str, str | None]]  # file -> (list key, fixed preset or None to read each record's)
+    description: str
+
+
+MACHINES = {
+    "nvidia-h200": Machine("h200", {
+        "triton_profile_bf16_nvidia-h200.json": ("entries", None),
+        "triton_profile_fp8_block_mxfp4_nvidia-h200.json": ("entries", None),
+        "flashinfer_cutlass_gpt-oss-20b_h200.json": ("records", "gpt-oss-20b"),
+        "triton_mxfp4_nvidia-h200.json": ("records", None),  # after the MXFP4 scale-load rework
+        # session 2: TMA weight tiles, the new alignment, the sync-free torch_grouped, FlashInfer at every preset
+        "fp8_block_nvidia-h200.json": ("records", None),
+        "mxfp4_gpt-oss-120b_nvidia-h200.json": ("records", None),
+        "bf16_qwen3_mixtral_nvidia-h200.json": ("records", None),
+        "bf16_gpt-oss_deepseek_nvidia-h200.json": ("records", None),
+    }, "measured on nvidia-h200 (2026-11-22) by python -m moe bench / benchmarks/flashinfer_bench.py"),
+    "nvidia-h100": Machine("h100", {
+        "bf16_qwen3_mixtral_nvidia-h100.json": ("records", None),
+        "bf16_gpt-oss_deepseek_nvidia-h100.json": ("records", None),
+        "mxfp4_gpt-oss-120b_nvidia-h100.json": ("records", None),
+        "fp8_block_nvidia-h100.json": ("records", None),
+    }, "measured on nvidia-h100 (2026-11-25) by python -m moe bench --json"),
 }
 
 
-def main() -> None:
-    platform = Platform.preset("h200")
+def measurements(machine: Machine) -> list[ProfileEntry]:
+    """Every record of ``machine``'s result files as a profile measurement, in file order."""
+    platform = Platform.preset(machine.kind)
     entries = []
-    for name, (key, fixed_preset) in SOURCES.items():
+    for name, (key, fixed_preset) in machine.sources.items():
         data = json.loads((RESULTS / name).read_text())
         for r in data[key]:
             preset = fixed_preset or r["preset"]
             problem = load_preset(preset).problem(quant=r["quant"], max_tokens=max(r["tokens"], 1))
             entries.append(ProfileEntry.measurement(r["experts"], platform, problem, r["tokens"], r["us"],
                                                     preset=preset, note=f"benchmarks/results/{name}"))
-    out = PROFILE_DIR / "measured-h200.yaml"
+    return entries
+
+
+def write(machine: Machine) -> Path:
+    """Writes ``moe/oracle/profiles/measured-<kind>.yaml`` from scratch; returns its path."""
+    entries = measurements(machine)
+    out = PROFILE_DIR / f"measured-{machine.kind}.yaml"
     if out.exists():
         out.unlink()
-    save_profile(out, entries, merge=False,
-                 description="measured on nvidia-h200 (2026-11-22) by python -m moe bench / benchmarks/flashinfer_bench.py")
+    save_profile(out, entries, merge=False, description=machine.description)
     print(f"{out}: {len(entries)} measurements")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--machine", choices=sorted(MACHINES), action="append",
+                        help="the machine whose results to turn into a profile (repeatable; default: all)")
+    for name in parser.parse_args().machine or sorted(MACHINES):
+        write(MACHINES[name])
 
 
 if __name__ == "__main__":

@@ -60,8 +60,8 @@ def candidates(tokens: int, only: list[DecodeTile] | None = None) -> list[Decode
     if tokens <= 16:
         block_m = 1 if tokens == 1 else 2
         tiles += [DecodeTile(n, k, s, block_m, False, asm, w, st) for n, k, s, w, st, asm in FMA_TILES]
-    if True:  # the swapped MMA wastes no weight traffic on padded rows: a candidate at M = 1 too
-        tiles += [DecodeTile(n, k, s, 16, True, asm, w, st) for n, k, s, w, st, asm in DOT_TILES]
+    # tensor-core tiles at every M, one token too: the swapped MMA pads activation rows, not weight rows
+    tiles += [DecodeTile(n, k, s, 16, True, asm, w, st) for n, k, s, w, st, asm in DOT_TILES]
     return tiles
 
 

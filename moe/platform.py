@@ -267,13 +267,19 @@ def _detect_cuda(index: int) -> Platform:
     )
 
 
-def preset_for_device(device_name: str, capability: tuple[int, int]) -> tuple[str, str]:
-    """(preset name, how it was matched) for a real device: by name ("NVIDIA H100 80GB HBM3" -> h100),
-    else by compute capability family."""
+def preset_named(device_name: str) -> str | None:
+    """The GPU preset a device's name names ("NVIDIA H100 80GB HBM3" -> h100), or None."""
     lowered = device_name.lower().replace(" ", "-")
-    for name in sorted(_PRESETS, key=len, reverse=True):  # "gb200" before "b200"
-        if name != "cpu" and name in lowered:
-            return name, f"rates of the {name} preset (device name)"
+    return next((name for name in sorted(_PRESETS, key=len, reverse=True)  # "gb200" before "b200"
+                 if name != "cpu" and name in lowered), None)
+
+
+def preset_for_device(device_name: str, capability: tuple[int, int]) -> tuple[str, str]:
+    """(preset name, how it was matched) for a real device: by name (`preset_named`), else by compute
+    capability family."""
+    name = preset_named(device_name)
+    if name is not None:
+        return name, f"rates of the {name} preset (device name)"
     family = {8: "a100", 9: "h100", 10: "b200", 12: "rtx-pro-6000"}.get(capability[0], "h100")
     return family, f"rates of the {family} preset (guessed from SM{capability[0]}{capability[1]})"
 

@@ -9,6 +9,7 @@ import itertools
 import json
 import random
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,7 +96,8 @@ def test_measured_profile_round_trips_and_replaces_the_estimate(tmp_path):
     loaded = load_profile(path)
     assert loaded.entries[0].shape == ProfileShape.of(problem, "qwen3-30b-a3b")
     assert yaml.safe_load(path.read_text())["backends"]["triton"]["h100"][0]["shape"] == {"preset": "qwen3-30b-a3b"}
-    profile = builtin_profile().merged(loaded)
+    # on top of the shipped profile less its H100 measurements, so this point is H100's only one
+    profile = _shipped_without("measured-h100.yaml").merged(loaded)
     at_64 = estimate_experts("triton", problem, h100, 64, profile)
     assert at_64.us == pytest.approx(123.0) and at_64.basis.startswith("measured")
     # the measured efficiency informs other token counts and shapes too (held constant beyond the point)
@@ -311,13 +313,21 @@ def test_shipped_h200_measurements_set_the_gpt_oss_crossover():
     assert all(b.chosen.experts.basis.startswith("measured at this shape") for b in result.buckets)
 
 
+def _shipped_without(name: str) -> Profile:
+    """The shipped profiles less the file ``name``: what the oracle reads where that file is not shipped."""
+    kept = tuple(e for e in builtin_profile().entries if Path(e.source).name != name)
+    assert len(kept) < len(builtin_profile().entries), f"{name} is not among the shipped profiles"
+    return Profile(kept)
+
+
 def test_h100_reads_the_h200_measurements_against_the_h200_ceilings():
-    """Issue 14: an H100 plan uses the H200's measured profile (same SM90 architecture), each point's
-    efficiency taken against the H200's roofline, so time scales with the H100's own ceilings: a
-    memory-bound decode point costs 4.2/3.0 as long; a compute-bound one the same."""
+    """Issue 14: an H100 with no measurement of its own (here: the shipped measured-h100.yaml left out)
+    uses the H200's measured profile (same SM90 architecture), each point's efficiency taken against
+    the H200's roofline, so time scales with the H100's own ceilings: a memory-bound decode point costs
+    4.2/3.0 as long; a compute-bound one the same."""
     problem = load_preset("qwen3-30b-a3b").problem(quant="bf16", max_tokens=8192)
     h100, h200 = Platform.preset("h100"), Platform.preset("h200")
-    profile = builtin_profile()
+    profile = _shipped_without("measured-h100.yaml")
     at = {name: estimate_experts("triton", problem, platform, 1, profile) for name, platform in
           (("h100", h100), ("h200", h200))}
     assert at["h200"].basis.startswith("measured at this shape")

@@ -42,6 +42,7 @@ from moe.experts._triton.decode import DecodeConfig, DecodeTile  # noqa: E402
 from moe.experts._triton.rows import FP8_MODES  # noqa: E402
 from moe.experts._triton.support import config_key  # noqa: E402
 from moe.experts._triton.weights import prepare_triton_weights  # noqa: E402
+from moe.quant import QuantFormat  # noqa: E402
 from moe.experts.triton import TritonExperts  # noqa: E402
 from moe.experts.triton_batched import TritonBatchedExperts  # noqa: E402
 from moe.prepare_finalize.batched import BatchedPrepareFinalize  # noqa: E402
@@ -71,9 +72,10 @@ WS_PERSISTENT = cfg.LaunchConfig(64, *[cfg.TileConfig(64, 64, tma=True, ws=True,
 EP_MAP = (-1, 0, -1, -1, 1, -1, 2, -1)  # experts 1, 4, 6 of 8 live here
 
 
-def standard(quant, activation="silu", tokens=5, *, config=None, weight_only=False, **problem):
+def standard(quant, activation="silu", tokens=5, *, config=None, weight_only=False, grouped=False, **problem):
     """`TritonExperts` (align, fp8 quantization, both GEMMs, combine) on ``tokens`` tokens; ``config``
-    replaces the table's (else the default for M), ``weight_only`` prepares fp8 as for an A100."""
+    replaces the table's (else the default for M), ``weight_only`` prepares fp8 as for an A100, ``grouped``
+    keeps fp4 weights on the grouped GEMM where the decode kernels would take a few tokens."""
     p = make_problem(quant, activation, **problem)
     experts = TritonExperts(p)
     if weight_only:
@@ -83,7 +85,8 @@ def standard(quant, activation="silu", tokens=5, *, config=None, weight_only=Fal
     else:
         prepared = experts.prepare_weights(make_weights(p))
     patch = mock.patch.object(cfg.ConfigTable, "lookup", lambda self, m: config) if config else nullcontext()
-    with patch:
+    no_decode = mock.patch("moe.experts.triton.uses_decode", lambda *a: False) if grouped else nullcontext()
+    with patch, no_decode:
         run_prepared(experts, prepared, torch.randn(tokens, p.hidden_size).to(p.dtype), make_topk(tokens, p))
 
 
@@ -91,11 +94,11 @@ FMA_TILES = DecodeConfig(DecodeTile(32, 64, 2, 1, dot=False), DecodeTile(32, 64,
 DOT_TILES = DecodeConfig(DecodeTile(32, 64, 1, 16, dot=True), DecodeTile(32, 64, 2, 16, dot=True))
 
 
-def decode(tokens, config, activation="swiglu_oai"):
-    """The MXFP4 decode kernels (`_triton/decode.py`, M * k <= 256) under ``config``: gemm, the split
+def decode(tokens, config, activation="swiglu_oai", quant="mxfp4"):
+    """The fp4 decode kernels (`_triton/decode.py`, M * k <= 256) under ``config``: gemm, the split
     sums' epilogues, and for more than one token the unpadded alignment."""
     with mock.patch("moe.experts.triton.decode_config", lambda m: config):
-        standard("mxfp4", activation, tokens=tokens, bias=activation == "swiglu_oai")
+        standard(quant, activation, tokens=tokens, bias=activation == "swiglu_oai")
 
 
 def batched(quant, activation="silu", tokens=5, **problem):
@@ -137,7 +140,8 @@ SCENARIOS = {
     "fp8 row": lambda: standard("fp8_token", "relu2"),
     "fp8 block expert map": lambda: standard("fp8_block", E=8, expert_map=EP_MAP),
     "mxfp4 swiglu_oai bias": lambda: standard("mxfp4", "swiglu_oai", bias=True),
-    "nvfp4 weight-only": lambda: standard("nvfp4"),
+    "nvfp4 weight-only": lambda: standard("nvfp4", grouped=True),
+    "nvfp4 weight-only decode": lambda: decode(2, DOT_TILES, activation="silu", quant="nvfp4"),
     "fp8 tensor weight-only": lambda: standard("fp8", weight_only=True),
     "fp8 row weight-only direct": lambda: standard("fp8_token", tokens=3, weight_only=True),
     "fp8 block weight-only": lambda: standard("fp8_block", "relu2", weight_only=True),
@@ -173,7 +177,9 @@ SWITCHES = {
     "moe.experts._triton._rows.combine_kernel": {"CHECK_LOCAL": BOTH},
     "moe.experts._triton._align.align_fused_kernel": {"HAS_MAP": BOTH},
     "moe.experts._triton._align.rank_kernel": {"HAS_MAP": BOTH},
-    "moe.experts._triton._decode.decode_gemm_kernel": {"DOT": BOTH, "GROUPED": BOTH, "FUSED": BOTH},
+    "moe.experts._triton._decode.decode_gemm_kernel": {"DOT": BOTH, "GROUPED": BOTH, "FUSED": BOTH,
+                                                       "SCALES": {QUANT_CODES[QuantFormat.MXFP4],
+                                                                  QUANT_CODES[QuantFormat.NVFP4]}},
     "moe.routing._fused.route_kernel": {"SCORE": set(range(len(SCORE_NAMES))), "ON_LOGITS": BOTH,
                                         "HAS_BIAS": BOTH, "RENORMALIZE": BOTH},
 }

@@ -1,4 +1,4 @@
-"""The MXFP4 W4A16 decode path of the Triton experts (`_triton/decode.py`) in Triton's CPU
+"""The MXFP4 / NVFP4 W4A16 decode path of the Triton experts (`_triton/decode.py`) in Triton's CPU
 interpreter, against the reference experts: one token (a group per slot), several tokens (slots
 grouped by expert: experts hit 0, 1 or many times), split-K and the fused single-split epilogue,
 tensor-core and FMA programs, ragged K, biases, swiglu_oai, an expert map."""
@@ -58,12 +58,12 @@ def check(p, num_tokens, config, monkeypatch, hot=False, dtype=torch.float16):
 
 
 def gpt_oss_like(**kw):
-    args = dict(E=8, k=4, H=128, I=160, bias=True, max_tokens=64)
+    args = dict(E=8, k=4, H=64, I=96, bias=True, max_tokens=64)  # small: the interpreter runs every program
     args.update(kw)
     return make_problem("mxfp4", "swiglu_oai", **args)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 33])
+@pytest.mark.parametrize("num_tokens", [1, 3, 9])
 @pytest.mark.parametrize("tiles", [(FMA, FMA), (DOT, DOT_SPLIT), (DOT_SPLIT, DOT)], ids=["fma", "dot", "dot-split"])
 def test_decode_matches_reference(num_tokens, tiles, monkeypatch):
     check(gpt_oss_like(), num_tokens, DecodeConfig(*tiles), monkeypatch)
@@ -71,8 +71,8 @@ def test_decode_matches_reference(num_tokens, tiles, monkeypatch):
 
 @pytest.mark.parametrize("tiles", [(FMA, DOT_SPLIT), (DOT, FMA)], ids=["fma", "dot"])
 def test_decode_one_expert_many_times(tiles, monkeypatch):
-    """33 tokens all on experts 0..3: 33 slots per expert (3 chunks of 16 rows), 4 experts idle."""
-    check(gpt_oss_like(), 33, DecodeConfig(*tiles), monkeypatch, hot=True)
+    """20 tokens all on experts 0..3: 20 slots per expert (2 chunks of 16 rows), 4 experts idle."""
+    check(gpt_oss_like(), 20, DecodeConfig(*tiles), monkeypatch, hot=True)
 
 
 def test_decode_ragged_k_expert_map_fp32(monkeypatch):
@@ -94,3 +94,33 @@ def test_decode_tile_rejects_bad_values():
         DecodeTile(block_k=48)
     with pytest.raises(MoEConfigError, match="dot=True needs block_m >= 16"):
         DecodeTile(block_m=4, dot=True)
+
+
+@pytest.mark.parametrize("num_tokens,tiles", [(1, (FMA, FMA)), (3, (DOT, DOT_SPLIT)), (9, (DOT_SPLIT, FMA))],
+                         ids=["fma-1", "dot-3", "dot-split-9"])
+def test_nvfp4_decode_matches_the_weight_only_reference(num_tokens, tiles, monkeypatch):
+    """NVFP4 weights (e4m3 scale per 16, fp32 global scale per expert) with fp16 activations: the decode
+    kernels against the weight-only reference (activations never rounded to fp4), experts of very different
+    global scales so a missing or misplaced global scale shows."""
+    from moe.experts.reference import WeightOnlyReferenceExperts
+    from moe.weights import ExpertWeights
+
+    config = DecodeConfig(*tiles)
+    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m: config)
+    called = []
+    real = decode.decode_experts
+    monkeypatch.setattr("moe.experts.triton.decode_experts", lambda *a: called.append(1) or real(*a))
+    p = make_problem("nvfp4", "silu", E=8, k=4, H=64, I=96)
+    spread = torch.logspace(-2, 2, p.num_experts).view(-1, 1, 1)
+    w13 = torch.randn(p.num_experts, p.w13_rows, p.hidden_size) / p.hidden_size**0.5 * spread
+    w2 = torch.randn(p.num_experts, p.hidden_size, p.intermediate_size) / p.intermediate_size**0.5 / spread
+    weights = ExpertWeights.from_dense(w13, w2, quant=p.quant, dtype=p.dtype)
+    x = torch.randn(num_tokens, p.hidden_size).to(p.dtype)
+    topk = routed(num_tokens, p)
+    dispatched = Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=x, scale=None, fmt="none"), topk)
+    out = run_experts(TritonExperts(p), dispatched, weights).out
+    assert called == [1]
+    truth = WeightOnlyReferenceExperts(p)
+    want = run_experts(truth, dispatched, weights).out
+    want = (want * topk.weights.unsqueeze(-1)).sum(1)
+    assert_close_moe(out.float(), want.float(), regime_for(p), context=f"nvfp4 decode M={num_tokens}")

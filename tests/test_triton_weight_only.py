@@ -88,9 +88,11 @@ def weight_only_reference(p: MoEProblem, weights: ExpertWeights, x: torch.Tensor
 
 
 def check(p: MoEProblem, num_tokens: int, config: cfg.LaunchConfig | None, monkeypatch, *, seed: int = 0) -> None:
-    """Triton (weight-only: NVFP4 always, fp8 prepared as for an A100) against the weight-only reference."""
+    """Triton (weight-only: NVFP4 always, fp8 prepared as for an A100) against the weight-only reference,
+    through the grouped GEMM (NVFP4's decode kernels are tests/test_triton_decode.py's)."""
     if config is not None:
         monkeypatch.setattr(cfg.ConfigTable, "lookup", lambda self, m: config)
+    monkeypatch.setattr("moe.experts.triton.uses_decode", lambda *args: False)
     gen = torch.Generator().manual_seed(seed)
     weights = make_weights(p, gen)
     x = torch.randn(num_tokens, p.hidden_size, generator=gen).to(p.dtype)

@@ -2,7 +2,7 @@
 
 One forward, all on the GPU, no host sync, CUDA-graph capturable (shapes depend on M only)::
 
-    (MXFP4 weights x unquantized activations, M * k <= 256: `_triton/decode.py` instead,
+    (MXFP4 or NVFP4 weights x unquantized activations, M * k <= 256: `_triton/decode.py` instead,
     split-K over all SMs, each expert's weights read once per forward)
     align      topk ids -> rows sorted by local expert, padded to BLOCK_M     (_triton/align.py)
                (decode configs skip it: one program per slot, "direct")
@@ -28,7 +28,7 @@ import torch
 from moe.experts._triton.align import align_block_size
 from moe.experts._triton.align import workspace_buffers as align_buffers
 from moe.experts._triton.config import BLOCK_MS, ConfigTable
-from moe.experts._triton.decode import decode_config, decode_experts, uses_decode
+from moe.experts._triton.decode import DECODE_FORMATS, decode_config, decode_experts, uses_decode
 from moe.experts._triton.decode import workspace_buffers as decode_buffers
 from moe.experts._triton.gemm import DirectRows, SortedRows, grouped_gemm
 from moe.experts._triton.gemm_ws import sorted_ws_gemms, workspace_rows
@@ -101,7 +101,7 @@ class TritonExperts(Experts):
             **align_buffers(slots, p.local_num_experts, BLOCK_MS),
             **quant_buffers(act, "x", tokens, p.hidden_size),
             **quant_buffers(act, "inter", slots, p.intermediate_size),
-            **(decode_buffers(slots, p.w13_rows, p.hidden_size) if p.quant.weight is QuantFormat.MXFP4
+            **(decode_buffers(slots, p.w13_rows, p.hidden_size) if p.quant.weight in DECODE_FORMATS
                and act is QuantFormat.NONE else {}),
         )
 
@@ -114,7 +114,8 @@ class TritonExperts(Experts):
         if tokens == 0:
             return ExpertsOutput(OutputKind.REDUCED, out)
         ids = dispatched.topk.ids
-        if dispatched.x.fmt is QuantFormat.NONE and uses_decode(weights, p.quant.activation, slots):
+        act = QuantFormat.NONE if weights.weight_only else p.quant.activation  # what the GEMMs read
+        if dispatched.x.fmt is QuantFormat.NONE and uses_decode(weights, act, slots):
             return ExpertsOutput(OutputKind.REDUCED, decode_experts(
                 dispatched.x.data, ids, dispatched.topk.weights, weights, p.activation, p.local_num_experts,
                 decode_config(tokens), workspace, out))
@@ -128,7 +129,6 @@ class TritonExperts(Experts):
             rows1, rows2 = SortedRows(layout, slots, k), SortedRows(layout, slots, 1)
         # 2. first GEMM with the activation fused in
         x, x_scale = dispatched.x.data, dispatched.x.scale
-        act = QuantFormat.NONE if weights.weight_only else p.quant.activation
         if dispatched.x.fmt is QuantFormat.NONE:
             x, x_scale = quantize_activation(x, act, "x", workspace, RowValidity())
         if config.gemm1.ws:  # A by TMA from rows gathered in sorted order, warp-specialized (gemm_ws.py)

@@ -9,10 +9,10 @@ import torch
 
 from moe.experts._triton import decode
 from moe.experts._triton.decode import DecodeConfig, DecodeTile
-from moe.formats import ActivationFormat, Dispatched, DispatchShape
+from moe.formats import ActivationFormat, Dispatched
 from moe.quant import QuantizedTensor
-from moe.workspace import WorkspaceManager
-from tests.gpu.test_triton_gpu import problem, reference, run, topk_for, weights_for
+from tests.gpu.test_triton_gpu import (assert_replay_equals_eager_without_sync, problem, reference, run,
+                                      topk_for, weights_for)
 from moe.experts.triton import TritonExperts
 from moe.testing.tolerance import assert_close_moe, regime_for
 
@@ -68,22 +68,4 @@ def test_decode_cuda_graph_replay_equals_eager(tokens):
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(weights_for(p))
     assert decode.uses_decode(prepared, p.quant.activation, tokens * p.top_k)
-    d = dispatched_for(p, tokens)
-    ws = WorkspaceManager("cuda").take(experts.workspace_shapes(DispatchShape(ActivationFormat.STANDARD, tokens)))
-    experts.apply(d, prepared, ws)  # compile outside the capture
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")  # any host synchronization raises
-    try:
-        experts.apply(d, prepared, ws)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = experts.apply(d, prepared, ws).out
-    for _ in range(2):  # new inputs in the same buffers
-        fresh = dispatched_for(p, tokens)
-        d.x.data.copy_(fresh.x.data)
-        d.topk.ids.copy_(fresh.topk.ids)
-        d.topk.weights.copy_(fresh.topk.weights)
-        graph.replay()
-        assert torch.equal(out, run(experts, d, prepared))
+    assert_replay_equals_eager_without_sync(experts, prepared, p, tokens)

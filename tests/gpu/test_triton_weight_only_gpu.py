@@ -68,10 +68,27 @@ def check(p, tokens):
     assert_close_moe(out.float(), ref, "bf16", context=f"{p.quant_name} {p.activation} M={tokens}")
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 16, 33, 512])  # 1..4: direct rows (one program per slot); then sorted
+# fp8: 1..4 direct rows (one program per slot), then sorted; NVFP4: the decode kernels up to M * k = 256
+@pytest.mark.parametrize("tokens", [1, 3, 16, 33, 512])
 @pytest.mark.parametrize("quant", SCHEMES)
 def test_schemes(quant, tokens):
     check(problem(quant), tokens)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 33])
+def test_nvfp4_grouped_gemm_at_decode_sizes(tokens, monkeypatch):
+    """The grouped GEMM's NVFP4 path where the decode kernels would serve (forced), as before them."""
+    monkeypatch.setattr("moe.experts.triton.uses_decode", lambda *a: False)
+    check(problem("nvfp4"), tokens)
+
+
+def test_nvfp4_decode_kernels_serve_a_few_tokens(monkeypatch):
+    from moe.experts._triton import decode
+
+    called = []
+    monkeypatch.setattr("moe.experts.triton.decode_experts", lambda *a: called.append(1) or decode.decode_experts(*a))
+    check(problem("nvfp4", "swiglu_oai", bias=True), 16)
+    assert called == [1]
 
 
 @pytest.mark.parametrize("activation", ["swiglu_oai", "relu2"])

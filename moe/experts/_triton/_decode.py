@@ -18,7 +18,7 @@ The weight format lives in `_weight_half_tiles` and its scale decoders: NVFP4 pl
 import triton
 import triton.language as tl
 
-from moe.experts._triton._gemm import _MXFP4, _activate, _dot, _fp4_half_tiles
+from moe.experts._triton._gemm import _NVFP4, _activate, _dot, _fp4_half_tiles, _fp4_load, _fp4_scale_words
 from moe.experts._triton._lang import cdiv_, cumsum_, sum_
 
 # e2m1 codes of 4 bytes -> 8 bfloat16 values times the scale, 2 per register. The code's magnitude
@@ -67,20 +67,16 @@ def _e8m0_bf16_biased(scale_bytes):
 
 
 @triton.jit
-def _weight_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, dtype: tl.constexpr, EVEN_K: tl.constexpr,
-                       ASM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One K step of MXFP4 weights dequantized: the ``[BLOCK_K/2, BLOCK_N]`` half-tiles of the low
+def _weight_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, SCALES: tl.constexpr, dtype: tl.constexpr,
+                       EVEN_K: tl.constexpr, ASM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One K step of fp4 weights dequantized: the ``[BLOCK_K/2, BLOCK_N]`` half-tiles of the low
     and high nibbles (weights.py's half-split layout; pointers as in `_gemm._fp4_half_tiles`).
-    ``ASM``: packed bf16x2 PTX (4 bytes per call, bfloat16 only); else `_gemm`'s exact float32 math."""
+    ``SCALES``: MXFP4 or NVFP4 (`_gemm`'s codes). ``ASM``: packed bf16x2 PTX (4 bytes per call, MXFP4 in
+    bfloat16 only); else `_gemm`'s exact float32 math."""
     if not ASM:
-        low, high = _fp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, _MXFP4, dtype, EVEN_K, BLOCK_K, BLOCK_N)
+        low, high = _fp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, SCALES, dtype, EVEN_K, BLOCK_K, BLOCK_N)
     else:
-        if EVEN_K:
-            packed = tl.load(w_ptrs)
-            words = tl.load(s_ptrs)
-        else:
-            packed = tl.load(w_ptrs, mask=group_ok, other=0)
-            words = tl.load(s_ptrs, mask=group_ok, other=0)
+        packed, words = _fp4_load(w_ptrs, s_ptrs, group_ok, EVEN_K)
         scale = _e8m0_bf16_biased((words >> shifts) & 255)
         low, high = tl.inline_asm_elementwise(_E2M1_BF16X2, "=r,=r,=r,=r,r,r,r", [packed, scale],
                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
@@ -92,9 +88,10 @@ def _weight_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, dtype: tl.constexpr, EV
 @triton.jit
 def _accumulate(acc, a_lo, a_hi, w_lo, w_hi, DOT: tl.constexpr, IEEE: tl.constexpr):
     """``acc += a_lo @ w_lo + a_hi @ w_hi``. ``DOT``: tensor cores with the operands swapped,
-    ``acc^T [BLOCK_N, BLOCK_M] += w^T @ a^T`` (A given transposed, ``[BLOCK_K/2, BLOCK_M]``): the
-    dequantized weights are the MMA's first operand, which may stay in registers, and the few
-    activation rows are the narrow second one. Else float32 FMAs into ``[BLOCK_M, BLOCK_K/2,
+    ``acc^T [BLOCK_N, BLOCK_M] += w^T @ a^T`` (A given transposed, ``[BLOCK_K/2, BLOCK_M]``): the few
+    activation rows are the MMA's narrow side (16), the dequantized weights its register operand --
+    which Triton 3.6 still stages through shared memory to reach that layout (ncu:
+    benchmarks/results/mxfp4_decode_nvidia-h100.md). Else float32 FMAs into ``[BLOCK_M, BLOCK_K/2,
     BLOCK_N]``, reduced over K after the loop (few rows)."""
     # if/else rather than an early return: Triton on the GPU type-checks the code after a constexpr return
     if DOT:
@@ -125,8 +122,9 @@ def _a_pointers(a_ptr, a_rows, row_ok, stride_am, k0, groups_left, DOT: tl.const
 def _k_loop(acc, acc_up, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wn, ws_base, stride_wsn,
             stride_wsk, offs_n, N, K, k_first, k_last,
             GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
-            ASM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K steps ``k_first .. k_last - 1`` of one row chunk; the half-tiles' A columns are runs of 16."""
+            ASM: tl.constexpr, SCALES: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K steps ``k_first .. k_last - 1`` of one row chunk; the half-tiles' A columns are runs of 16.
+    Group g's scale is byte g of the scale words (MXFP4), or bytes 2g and 2g + 1 (NVFP4: one per 16)."""
     g3 = tl.arange(0, BLOCK_K // 32)[:, None, None]
     n3 = offs_n[None, None, :]
     w_ptrs = w_base + n3 * stride_wn + (k_first * (BLOCK_K // 2) + g3 * 16 + tl.arange(0, 16)[None, :, None])
@@ -137,14 +135,13 @@ def _k_loop(acc, acc_up, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wn, ws
         a_ptrs, a_ok = _a_pointers(a_ptr, a_rows, row_ok, stride_am, kk * BLOCK_K, groups_left, DOT, BLOCK_K)
         a_lo = tl.load(a_ptrs, mask=a_ok, other=0.0)
         a_hi = tl.load(a_ptrs + 16, mask=a_ok, other=0.0)
-        s_ptrs = s_base + (group // 4) * stride_wsk
-        shifts = (group % 4) * 8
-        w_lo, w_hi = _weight_half_tiles(w_ptrs, s_ptrs, shifts, g3 < groups_left, a_lo.dtype, EVEN_K, ASM,
-                                        BLOCK_K, BLOCK_N)
+        s_ptrs, shifts = _fp4_scale_words(s_base, group, stride_wsk, SCALES)
+        w_lo, w_hi = _weight_half_tiles(w_ptrs, s_ptrs, shifts, g3 < groups_left, SCALES, a_lo.dtype, EVEN_K,
+                                        ASM, BLOCK_K, BLOCK_N)
         acc = _accumulate(acc, a_lo, a_hi, w_lo, w_hi, DOT, IEEE)
         if GATED:  # the up rows: N further down, in the data and in the scale words alike
             w_lo, w_hi = _weight_half_tiles(w_ptrs + N * stride_wn, s_ptrs + N * stride_wsn, shifts,
-                                            g3 < groups_left, a_lo.dtype, EVEN_K, ASM, BLOCK_K, BLOCK_N)
+                                            g3 < groups_left, SCALES, a_lo.dtype, EVEN_K, ASM, BLOCK_K, BLOCK_N)
             acc_up = _accumulate(acc_up, a_lo, a_hi, w_lo, w_hi, DOT, IEEE)
         w_ptrs += BLOCK_K // 2
     return acc, acc_up
@@ -173,13 +170,13 @@ def _group(g, ids_ptr, map_ptr, counts_ptr, ends_ptr, num_local,
 # the token-dependent counts are not specialized on, so one compiled kernel serves every M
 @triton.jit(do_not_specialize=["num_local"])
 def decode_gemm_kernel(
-    a_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, ids_ptr, map_ptr, counts_ptr, ends_ptr, sorted_ptr,
+    a_ptr, w_ptr, ws_ptr, wg_ptr, bias_ptr, out_ptr, part_ptr, ids_ptr, map_ptr, counts_ptr, ends_ptr, sorted_ptr,
     num_local, N, K, stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be,
     stride_om, stride_ps, stride_pm, alpha, beta, limit,
     GROUPED: tl.constexpr, HAS_MAP: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, FUSED: tl.constexpr, SPLITS: tl.constexpr,
     E_PAD: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     expert, start, count = _group(tl.program_id(1), ids_ptr, map_ptr, counts_ptr, ends_ptr, num_local,
                                   GROUPED, HAS_MAP, E_PAD)
@@ -210,11 +207,14 @@ def decode_gemm_kernel(
             acc = tl.full([BLOCK_M, BLOCK_K // 2, BLOCK_N], 0, tl.float32)
         acc, acc_up = _k_loop(acc, acc, a_ptr, slots // A_ROW_DIV, row_ok, stride_am, w_base, stride_wn,
                               ws_base, stride_wsn, stride_wsk, offs_n, N, K, k_first, k_last,
-                              GATED, EVEN_K, IEEE, DOT, ASM, BLOCK_K, BLOCK_N)
+                              GATED, EVEN_K, IEEE, DOT, ASM, SCALES, BLOCK_K, BLOCK_N)
         if DOT:
             acc, acc_up = tl.trans(acc), tl.trans(acc_up)
         else:
             acc, acc_up = sum_(acc, 1), sum_(acc_up, 1)
+        if SCALES == _NVFP4:  # the expert's global scale factors out of the sum over K (and the splits)
+            global_scale = tl.load(wg_ptr + expert)
+            acc, acc_up = acc * global_scale, acc_up * global_scale
         mask = row_ok[:, None] & n_ok[None, :]
         if FUSED:  # one split: the whole sum is here; bias and activation, then the output
             if HAS_BIAS:

@@ -106,6 +106,18 @@ def _e2m1_scaled(bits, factor, dtype: tl.constexpr):
 
 
 @triton.jit
+def _fp4_load(w_ptrs, s_ptrs, group_ok, EVEN_K: tl.constexpr):
+    """One K step's packed fp4 bytes and their groups' scale words (groups past K read as 0)."""
+    if EVEN_K:
+        packed = tl.load(w_ptrs)
+        words = tl.load(s_ptrs)
+    else:
+        packed = tl.load(w_ptrs, mask=group_ok, other=0)
+        words = tl.load(s_ptrs, mask=group_ok, other=0)
+    return packed, words
+
+
+@triton.jit
 def _fp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, SCALES: tl.constexpr, dtype: tl.constexpr,
                     EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """One K step of MXFP4 or NVFP4 (``SCALES``) weights, dequantized: the half-tiles ``[BLOCK_K/2,
@@ -118,17 +130,23 @@ def _fp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, SCALES: tl.constexpr, dtyp
     A code's three magnitude bits go to bits 9..11 of a float16 (exponent bits 10..11, top mantissa
     bit 9) and its sign to bit 15: that float16 is the e2m1 value times 2**-14, subnormals included.
     """
-    if EVEN_K:
-        packed = tl.load(w_ptrs)
-        words = tl.load(s_ptrs)
-    else:
-        packed = tl.load(w_ptrs, mask=group_ok, other=0)
-        words = tl.load(s_ptrs, mask=group_ok, other=0)
+    packed, words = _fp4_load(w_ptrs, s_ptrs, group_ok, EVEN_K)
     factor_low, factor_high = _fp4_factors(words, shifts, SCALES)
     packed = packed.to(tl.int32)
     low = _e2m1_scaled(((packed & 0x08) << 12) | ((packed & 0x07) << 9), factor_low, dtype)
     high = _e2m1_scaled(((packed & 0x80) << 8) | ((packed & 0x70) << 5), factor_high, dtype)
     return tl.reshape(low, (BLOCK_K // 2, BLOCK_N)), tl.reshape(high, (BLOCK_K // 2, BLOCK_N))
+
+
+@triton.jit
+def _fp4_scale_words(s_base, group, stride_wsk, SCALES: tl.constexpr):
+    """(pointers, bit shifts) of group ``group``'s scale in the scale words at ``s_base``: byte g of the
+    words (MXFP4), or bytes 2g and 2g + 1 (NVFP4: a scale per 16; the shift is the first's)."""
+    if SCALES == _NVFP4:
+        byte = group * 2
+    else:
+        byte = group
+    return s_base + (byte // 4) * stride_wsk, (byte % 4) * 8
 
 
 @triton.jit
@@ -156,12 +174,7 @@ def _fp4_loop(acc, acc_up, a_ptr, a_rows, stride_am, stride_ak, w_base, stride_w
             a_ok = (offs_b // 16)[None, :] < groups_left
             a_lo = tl.load(a_ptrs, mask=a_ok, other=0.0)
             a_hi = tl.load(a_ptrs + 16 * stride_ak, mask=a_ok, other=0.0)
-        if SCALES == _NVFP4:
-            byte = group * 2
-        else:
-            byte = group
-        s_ptrs = s_base + (byte // 4) * stride_wsk
-        shifts = (byte % 4) * 8
+        s_ptrs, shifts = _fp4_scale_words(s_base, group, stride_wsk, SCALES)
         w_lo, w_hi = _fp4_half_tiles(w_ptrs, s_ptrs, shifts, g3 < groups_left, SCALES, a_lo.dtype, EVEN_K,
                                      BLOCK_K, BLOCK_N)
         acc = _dot(a_lo, w_lo, acc, IEEE)

@@ -203,19 +203,18 @@ def sibling_table_path(key: ConfigKey, directory: Path) -> Path | None:
     """A table of the same problem tuned on a sibling GPU (another preset of the same architecture,
     `moe.oracle.profile.sibling_kinds`: H100 <-> H200, one chip with the same SMs and shared memory)
     for a device that has none of its own: its launch configs fit this device's limits, and they beat
-    the untuned default there (H100, Qwen3-30B-A3B bf16 at M = 1024: benchmarks/results/README)."""
+    the untuned default there (H100, Qwen3-30B-A3B bf16: 1.37x at M = 1024;
+    benchmarks/results/bf16_nvidia-h100.md)."""
     from moe.oracle.profile import sibling_kinds
-    from moe.platform import Platform, preset_for_device
+    from moe.platform import Platform, preset_named
 
-    mine, how = preset_for_device(key.device, (0, 0))
-    if "device name" not in how:  # an unknown GPU: no sibling to trust
+    mine = preset_named(key.device)
+    if mine is None:  # an unknown GPU: no sibling to trust
         return None
     siblings = sibling_kinds(Platform.preset(mine))
     pattern = dataclasses.replace(key, device="DEVICE").filename.replace("DEVICE.json", "*.json")
     for path in sorted(directory.glob(pattern)):
-        device = json.loads(path.read_text())["key"]["device"]
-        other, how = preset_for_device(device, (0, 0))
-        if "device name" in how and other in siblings:
+        if preset_named(json.loads(path.read_text())["key"]["device"]) in siblings:
             return path
     return None
 

@@ -27,12 +27,13 @@ import torch
 from moe.activation import Activation
 from moe.experts._triton import cdiv, kernels
 from moe.experts._triton.align import align_block_size, experts_pad
-from moe.experts._triton.gemm import ACTIVATION_CODES
+from moe.experts._triton.gemm import ACTIVATION_CODES, QUANT_CODES
 from moe.experts._triton.weights import TritonWeights, WeightOperand
 from moe.errors import MoEConfigError
 from moe.quant import QuantFormat
 
-DECODE_MAX_SLOTS = 256  # M * k up to this takes the decode path (MXFP4 W4A16)
+DECODE_MAX_SLOTS = 256  # M * k up to this takes the decode path (MXFP4 / NVFP4 weights, 16-bit activations)
+DECODE_FORMATS = (QuantFormat.MXFP4, QuantFormat.NVFP4)
 MAX_SPLITS = 8  # the partial-sum workspace holds this many K splits
 _EPILOGUE_BLOCK = 1024
 
@@ -81,9 +82,10 @@ def decode_config(num_tokens: int) -> DecodeConfig:
 
 
 def uses_decode(weights: TritonWeights, activation_fmt: QuantFormat, num_slots: int) -> bool:
-    """Whether a forward of ``num_slots`` slots takes the decode path: MXFP4 weights with
-    unquantized activations, few slots."""
-    return (weights.w13.fmt is QuantFormat.MXFP4 and activation_fmt is QuantFormat.NONE
+    """Whether a forward of ``num_slots`` slots takes the decode path: MXFP4 or NVFP4 weights, the GEMMs
+    reading unquantized activations (``activation_fmt``: NONE also where the weights run weight-only,
+    as NVFP4 always does here), few slots."""
+    return (weights.w13.fmt in DECODE_FORMATS and activation_fmt is QuantFormat.NONE
             and 0 < num_slots <= DECODE_MAX_SLOTS)
 
 
@@ -137,7 +139,8 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor, part: torch.Tens
     grid = (cdiv(n_out, tile.block_n) * tile.splits, routing.groups)
     dummy = w.data
     kernels("decode").decode_gemm_kernel[grid](
-        a, w.data, w.scale, w.bias if w.bias is not None else dummy, out if fused else part, part,
+        a, w.data, w.scale, w.global_scale if w.global_scale is not None else dummy,
+        w.bias if w.bias is not None else dummy, out if fused else part, part,
         routing.ids, routing.expert_map if has_map else routing.ids, routing.counts, routing.ends,
         routing.sorted_slots, routing.num_local, n_out, k, a.stride(0), w.data.stride(0), w.data.stride(1),
         *w.scale.stride(),
@@ -146,8 +149,8 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor, part: torch.Tens
         GROUPED=routing.grouped, HAS_MAP=has_map, A_ROW_DIV=a_row_div, GATED=gated,
         ACTIVATION=ACTIVATION_CODES[None if activation is None else activation.kind], HAS_BIAS=w.bias is not None,
         FUSED=fused, SPLITS=tile.splits, E_PAD=experts_pad(routing.num_local), EVEN_K=k % tile.block_k == 0,
-        IEEE=a.dtype == torch.float32, DOT=tile.dot, ASM=asm, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        IEEE=a.dtype == torch.float32, DOT=tile.dot, ASM=asm, SCALES=QUANT_CODES[w.fmt], BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
 
 
@@ -155,7 +158,7 @@ def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
                    activation: Activation, num_local: int, config: DecodeConfig, workspace,
                    out: torch.Tensor) -> torch.Tensor:
     """``out [M, H] = sum_j topk_weights[m, j] * experts_j(x[m])`` over the slots whose expert is
-    here, for MXFP4 ``weights`` and ``x [M, H]`` in bf16/fp16/fp32 (`uses_decode` must hold)."""
+    here, for MXFP4 or NVFP4 ``weights`` and ``x [M, H]`` in bf16/fp16/fp32 (`uses_decode` must hold)."""
     _decode = kernels("decode")
     tokens, top_k = topk_ids.shape
     slots = tokens * top_k

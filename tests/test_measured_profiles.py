@@ -1,0 +1,88 @@
+"""The measured profiles shipped in moe/oracle/profiles/: each is what benchmarks/make_measured_profile.py
+makes of the committed bench results, and a plan on that platform follows its own measurements."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from moe.oracle import Policy, load_profile, plan
+from moe.oracle.profile import PROFILE_DIR
+from moe.platform import Platform
+from moe.presets import load_preset
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+H100_BENCH = ("bf16_qwen3_mixtral_nvidia-h100.json", "bf16_gpt-oss_deepseek_nvidia-h100.json",
+              "mxfp4_gpt-oss-120b_nvidia-h100.json")
+
+
+@functools.lru_cache(maxsize=None)
+def _script():
+    """benchmarks/make_measured_profile.py as a module (registered first: its dataclass needs that)."""
+    spec = importlib.util.spec_from_file_location("make_measured_profile", ROOT / "benchmarks" / "make_measured_profile.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cells(name: str) -> dict[tuple[str, str], dict[int, dict[str, float]]]:
+    """(preset, scheme) -> M -> experts backend -> measured us, from one committed bench result file."""
+    cells: dict = defaultdict(lambda: defaultdict(dict))
+    for r in json.loads((RESULTS / name).read_text())["records"]:
+        cells[(r["preset"], r["quant"])][r["tokens"]][r["experts"]] = r["us"]
+    return cells
+
+
+@pytest.mark.parametrize("machine", ["nvidia-h100", "nvidia-h200"])
+def test_shipped_profile_is_what_the_script_makes_of_the_committed_results(machine):
+    spec = _script().MACHINES[machine]
+    shipped = load_profile(PROFILE_DIR / f"measured-{spec.kind}.yaml").entries
+    assert shipped and all(e.platform == spec.kind and e.measured for e in shipped)
+    made = {e.key(): e.measured_us for e in _script().measurements(spec)}  # later files replace earlier
+    assert {e.key(): e.measured_us for e in shipped} == made
+
+
+def test_h100_profile_holds_every_record_of_the_h100_bench_files():
+    spec = _script().MACHINES["nvidia-h100"]
+    shipped = load_profile(PROFILE_DIR / "measured-h100.yaml").entries
+    records = sum(len(json.loads((RESULTS / name).read_text())["records"]) for name in spec.sources)
+    assert set(spec.sources) >= set(H100_BENCH) and len(shipped) == records
+    assert {e.note for e in shipped} == {f"benchmarks/results/{name}" for name in spec.sources}
+
+
+def test_h100_plan_for_qwen3_decode_cites_an_h100_measurement_and_takes_its_fastest():
+    """Qwen3-30B-A3B bf16 at M=1 on an H100: the plan reads measured-h100.yaml (not the H200 sibling)
+    and picks the backend the committed H100 bench timed fastest."""
+    times = _cells("bf16_qwen3_mixtral_nvidia-h100.json")[("qwen3-30b-a3b", "bf16")][1]
+    problem = load_preset("qwen3-30b-a3b").problem(quant="bf16", max_tokens=1)
+    (bucket,) = plan(problem, Platform.preset("h100"), Policy(buckets=(1,))).buckets
+    assert bucket.chosen.pair.experts == min(times, key=times.get)
+    assert bucket.chosen.experts.basis == "measured at this shape (measured-h100.yaml)"
+    assert bucket.chosen.experts.us == pytest.approx(times[bucket.chosen.pair.experts])
+
+
+@pytest.mark.parametrize("name", H100_BENCH)
+def test_h100_plan_takes_the_measured_fastest_in_every_bench_cell(name):
+    for (preset, quant), by_tokens in _cells(name).items():
+        tokens = sorted(by_tokens)
+        problem = load_preset(preset).problem(quant=quant, max_tokens=tokens[-1])
+        result = plan(problem, Platform.preset("h100"), Policy(buckets=tuple(tokens)))
+        for bucket in result.buckets:
+            times = by_tokens[bucket.high]
+            assert bucket.chosen.pair.experts == min(times, key=times.get), (preset, quant, bucket.high, times)
+            assert "measured-h100.yaml" in bucket.chosen.experts.basis
+
+
+def test_h200_plan_still_cites_the_h200_measurements():
+    problem = load_preset("qwen3-30b-a3b").problem(quant="bf16", max_tokens=4096)
+    result = plan(problem, Platform.preset("h200"), Policy(buckets=(1, 64, 4096)))
+    for bucket in result.buckets:
+        assert bucket.chosen.experts.basis == "measured at this shape (measured-h200.yaml)", bucket.high
