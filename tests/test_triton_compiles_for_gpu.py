@@ -65,10 +65,8 @@ def tile(block_n=32, block_k=64, tma=False):
 
 
 TMA = cfg.LaunchConfig(16, tile(tma=True), tile(64, 32, tma=True))
-# ws tiles: BLOCK_M 64, 4 warps (one wgmma warpgroup), so that Triton warp-specializes the K loop
-WS = cfg.LaunchConfig(64, cfg.TileConfig(64, 64, tma=True, ws=True), cfg.TileConfig(64, 64, tma=True, ws=True))
-WS_GEMM1 = cfg.LaunchConfig(64, cfg.TileConfig(64, 32, tma=True, ws=True), tile(64, 32, tma=True))
-WS_PERSISTENT = cfg.LaunchConfig(64, *[cfg.TileConfig(64, 64, tma=True, ws=True, persistent=True)] * 2)
+TMA_A = cfg.LaunchConfig(64, *[cfg.TileConfig(64, 64, tma=True, tma_a=True)] * 2)
+TMA_A_GEMM1 = cfg.LaunchConfig(64, cfg.TileConfig(64, 32, tma=True, tma_a=True), tile(64, 32, tma=True))
 EP_MAP = (-1, 0, -1, -1, 1, -1, 2, -1)  # experts 1, 4, 6 of 8 live here
 
 
@@ -147,10 +145,9 @@ SCENARIOS = {
     "fp8 block weight-only": lambda: standard("fp8_block", "relu2", weight_only=True),
     "fp16 silu TMA": lambda: standard("fp16", config=TMA),
     "fp8 block TMA": lambda: standard("fp8_block", config=TMA),
-    "fp16 silu ws": lambda: standard("fp16", config=WS),
-    "fp16 relu2 ws persistent": lambda: standard("fp16", "relu2", tokens=40, config=WS_PERSISTENT),
-    "fp32 relu2 ws gemm1 expert map bias": lambda: standard("fp32", "relu2", config=WS_GEMM1, E=8, k=3,
-                                                            expert_map=EP_MAP, bias=True),
+    "fp16 silu tma_a": lambda: standard("fp16", config=TMA_A),
+    "fp32 relu2 tma_a gemm1 expert map bias": lambda: standard("fp32", "relu2", config=TMA_A_GEMM1, E=8, k=3,
+                                                               expert_map=EP_MAP, bias=True),
     "mxfp4 decode one token fma": lambda: decode(1, FMA_TILES),
     "mxfp4 decode grouped dot, one split": lambda: decode(3, DOT_TILES, activation="silu"),
     "batched fp8 tensor": lambda: batched("fp8"),
@@ -165,14 +162,13 @@ SCENARIOS = {
 # The switches whose every value some scenario must launch: a scheme whose calls stop reaching a
 # kernel (another path took them) fails here rather than going unchecked.
 GEMM = "moe.experts._triton._gemm.moe_gemm_kernel"
-WS_GEMM = "moe.experts._triton._gemm_ws.moe_gemm_ws_kernel"
+TMA_A_GEMM = "moe.experts._triton._gemm_tma_a.moe_gemm_tma_a_kernel"
 SWITCHES = {
     GEMM: {"ROWS": set(ROW_CODES.values()), "QUANT": set(QUANT_CODES.values()),
            "ACTIVATION": set(ACTIVATION_CODES.values()), "GATED": BOTH, "WEIGHT_ONLY": BOTH, "HAS_BIAS": BOTH,
            "HAS_MAP": BOTH, "EVEN_K": BOTH, "IEEE": BOTH, "W_TMA": BOTH},
-    WS_GEMM: {"GATED": BOTH, "OUT_SORTED": BOTH, "WARP_SPECIALIZE": BOTH, "HAS_BIAS": BOTH, "IEEE": BOTH,
-              "PERSISTENT": BOTH},
-    "moe.experts._triton._gemm_ws.gather_rows_kernel": {"A_ROW_DIV": {2, 3}},
+    TMA_A_GEMM: {"GATED": BOTH, "OUT_SORTED": BOTH, "HAS_BIAS": BOTH, "IEEE": BOTH},
+    "moe.experts._triton._gemm_tma_a.gather_rows_kernel": {"A_ROW_DIV": {2, 3}},
     "moe.experts._triton._rows.fp8_quant_kernel": {"MODE": set(FP8_MODES.values()), "VALID": {0, 1, 2}},
     "moe.experts._triton._rows.combine_kernel": {"CHECK_LOCAL": BOTH},
     "moe.experts._triton._align.align_fused_kernel": {"HAS_MAP": BOTH},
@@ -234,19 +230,3 @@ def test_every_launch_compiles_for_the_gpu(compiled):
     assert not failures, f"{len(failures)} of {len(compiled)} launches do not compile:\n" + "\n".join(failures)
     assert {(job.arch, job.full) for job in compiled} == {(90, True), (90, False), (80, True), (80, False)}
     assert any("*bf16" in dict(job.record.signature).values() for job in compiled)  # the bfloat16 twins
-
-
-@pytest.mark.parametrize("persistent", [False, True])
-def test_ws_gemm_is_warp_specialized(records, persistent):
-    """The ws GEMM's recorded launch, in bfloat16 for sm90, really is warp-specialized: Triton's pass
-    made a ``ttg.warp_specialize`` region (a TMA producer warp beside the wgmma warps) and the PTX
-    moves registers between them (``setmaxnreg``). The pass gives up silently (a plain pipelined loop)
-    with 8 warps, and fails on a kernel with a ``return`` or a pointer load in the loop."""
-    ws = [r for r in records if r.name == WS_GEMM and dict(r.constexprs)["WARP_SPECIALIZE"]
-          and dict(r.constexprs)["PERSISTENT"] == persistent and dict(r.options).get("num_warps") == 4]
-    assert ws, f"no recorded ws launch with WARP_SPECIALIZE, PERSISTENT={persistent} and 4 warps"
-    job = launches.CompileJob(launches.bfloat16_twin(ws[0]), 90)
-    with launches.Compiler(workers=1) as compiler:
-        asm = compiler.submit_call(launches.compiled_asm, job).result()
-    assert "ttg.warp_specialize" in asm["ttgir"], f"not warp-specialized: {job.describe()}"
-    assert "setmaxnreg" in asm["ptx"] and "wgmma.mma_async" in asm["ptx"]

@@ -31,7 +31,7 @@ from moe.experts._triton.config import BLOCK_MS, ConfigTable
 from moe.experts._triton.decode import DECODE_FORMATS, decode_config, decode_experts, uses_decode
 from moe.experts._triton.decode import workspace_buffers as decode_buffers
 from moe.experts._triton.gemm import DirectRows, SortedRows, grouped_gemm
-from moe.experts._triton.gemm_ws import sorted_ws_gemms, workspace_rows
+from moe.experts._triton.gemm_tma_a import sorted_tma_a_gemms, workspace_rows
 from moe.experts._triton.rows import RowValidity, combine_slots_kernel
 from moe.experts._triton.support import (
     COMMON_CAPABILITIES,
@@ -92,7 +92,7 @@ class TritonExperts(Experts):
         tokens = dispatch.max_rows
         slots = tokens * p.top_k
         act = activation_format(p, None)  # an upper bound: fp8 buffers even where fp8 runs weight-only
-        # dense problems may run ws tiles, whose inter and y hold every row of a layout, padding included
+        # dense problems may run tma_a tiles, whose inter and y hold every row of a layout, padding included
         rows = slots if p.quant.is_quantized else workspace_rows(slots, p.local_num_experts)
         return WorkspaceShapes.of(
             out=((tokens, p.hidden_size), p.dtype),
@@ -131,8 +131,8 @@ class TritonExperts(Experts):
         x, x_scale = dispatched.x.data, dispatched.x.scale
         if dispatched.x.fmt is QuantFormat.NONE:
             x, x_scale = quantize_activation(x, act, "x", workspace, RowValidity())
-        if config.gemm1.ws:  # A by TMA from rows gathered in sorted order, warp-specialized (gemm_ws.py)
-            y = sorted_ws_gemms(x, weights.w13, weights.w2, layout, p.activation, config, workspace, slots, k)
+        if config.gemm1.tma_a:  # A by TMA from rows gathered in sorted order first (gemm_tma_a.py)
+            y = sorted_tma_a_gemms(x, weights.w13, weights.w2, layout, p.activation, config, workspace, slots, k)
         else:
             inter = workspace["inter"][:slots]
             grouped_gemm(x, x_scale, weights.w13, inter, rows1, p.activation, config.block_m, config.gemm1)

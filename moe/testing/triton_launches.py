@@ -178,31 +178,6 @@ def _compile_mode(paths: list[str]) -> None:
 def compile_one(job: CompileJob) -> str | None:
     """Compiles ``job`` for its architecture with the installed Triton (no GPU needed); None, or the
     error as ``Type: message``. Must run where TRITON_INTERPRET is off (a `Compiler` worker)."""
-    import triton  # noqa: PLC0415
-
-    source, target = _source(job)
-    try:
-        if job.full:
-            triton.compile(source, target=target, options=dict(job.record.options))
-        else:
-            _frontend(source, target, dict(job.record.options))
-    except Exception as error:  # noqa: BLE001 -- reported per job, with the launch that caused it
-        return _chain(error)
-    return None
-
-
-def compiled_asm(job: CompileJob) -> dict[str, str]:
-    """The text stages (``ttir``, ``ttgir``, ``ptx``, ...) of ``job`` compiled fully; raises what the
-    compiler raises. As `compile_one`, in a `Compiler` worker (``compiler.submit_call``)."""
-    import triton  # noqa: PLC0415
-
-    source, target = _source(job)
-    kernel = triton.compile(source, target=target, options=dict(job.record.options))
-    return {stage: text for stage, text in kernel.asm.items() if isinstance(text, str)}
-
-
-def _source(job: CompileJob):
-    """(the ``ASTSource`` of the job's launch, its ``GPUTarget``), the kernel imported compiled."""
     import importlib  # noqa: PLC0415
 
     import triton  # noqa: PLC0415
@@ -215,7 +190,15 @@ def _source(job: CompileJob):
     signature = dict(record.signature) | {name: "constexpr" for name, _ in record.constexprs}
     constexprs = {(fn.arg_names.index(name),): value for name, value in record.constexprs}
     source = ASTSource(fn=fn, signature={n: signature[n] for n in fn.arg_names}, constexprs=constexprs)
-    return source, GPUTarget("cuda", job.arch, 32)
+    target = GPUTarget("cuda", job.arch, 32)
+    try:
+        if job.full:
+            triton.compile(source, target=target, options=dict(record.options))
+        else:
+            _frontend(source, target, dict(record.options))
+    except Exception as error:  # noqa: BLE001 -- reported per job, with the launch that caused it
+        return _chain(error)
+    return None
 
 
 def _chain(error: BaseException) -> str:
@@ -262,10 +245,6 @@ class Compiler:
         for job in compile_jobs(records):
             if job not in self._futures:
                 self._futures[job] = self._pool.submit(compile_one, job)
-
-    def submit_call(self, fn, *args):
-        """``fn(*args)`` in a worker (e.g. `compiled_asm`): its future."""
-        return self._pool.submit(fn, *args)
 
     def results(self) -> dict:
         """``{job: error or None}`` of every job queued, once all are done."""

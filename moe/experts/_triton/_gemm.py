@@ -204,12 +204,7 @@ def _a_scales(ptrs, WEIGHT_ONLY: tl.constexpr, BLOCK_M: tl.constexpr):
 @triton.jit
 def _tile_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Program id -> (m block, n block), GROUP_M m blocks at a time so their A tiles stay in L2."""
-    return _grouped_tile(tl.program_id(0), num_m_blocks, N, BLOCK_N, GROUP_M)
-
-
-@triton.jit
-def _grouped_tile(pid, num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Tile number ``pid`` -> (m block, n block), as `_tile_coords`."""
+    pid = tl.program_id(0)
     num_n = cdiv_(N, BLOCK_N)
     per_group = GROUP_M * num_n
     first_m = (pid // per_group) * GROUP_M

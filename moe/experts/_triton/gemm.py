@@ -113,9 +113,9 @@ def gemm_launch(
     tile: TileConfig,
 ) -> Launch:
     """The launch of `grouped_gemm` (see there)."""
-    if tile.ws:
-        raise MoEConfigError(f"a ws=True tile runs only in the standard format's sorted path (gemm_ws.py), "
-                             f"not with {type(rows).__name__} (got {tile}); use ws=False here")
+    if tile.tma_a:
+        raise MoEConfigError(f"a tma_a=True tile runs only in the standard format's sorted path (gemm_tma_a.py), "
+                             f"not with {type(rows).__name__} (got {tile}); use tma_a=False here")
     gated = activation is not None and activation.is_gated
     n_out = out.shape[-1]
     k = w.k

@@ -1,5 +1,5 @@
-"""ws=True tiles (gemm_ws.py) on a CUDA GPU (SM90: TMA, warp specialization) in bfloat16 at real model
-shapes: equal to the pointer path and to the reference, and a CUDA graph replays them equal to eager."""
+"""tma_a=True tiles (gemm_tma_a.py) on a CUDA GPU (SM90: TMA) in bfloat16 at real model shapes: equal
+to the pointer path and to the reference, and a CUDA graph replays them equal to eager."""
 
 from __future__ import annotations
 
@@ -23,17 +23,17 @@ pytest.importorskip("triton")
 PRESETS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3-ep8-slice")
 
 
-def ws_tiles(block_m=128, block_n=128, gemm2_ws=True, persistent=False) -> LaunchConfig:
-    """4 warps: Triton 3.6 warp-specializes a loop of one wgmma warpgroup (8 warps: not specialized)."""
-    first = TileConfig(block_n, 64, 8, 4, 4 if block_n == 128 else 3, tma=True, ws=True, persistent=persistent)
-    second = dataclasses.replace(first, ws=gemm2_ws, persistent=persistent and gemm2_ws)
+def tma_a_tiles(block_m=128, block_n=128, gemm2_tma_a=True, num_warps=8) -> LaunchConfig:
+    """The H100 sweep's best tile (benchmarks/results/tma_a_nvidia-h100.md) by default."""
+    first = TileConfig(block_n, 64, 8, num_warps, 3, tma=True, tma_a=True)
+    second = dataclasses.replace(first, tma_a=gemm2_tma_a)
     return LaunchConfig(block_m, first, second)
 
 
 def plain(config: LaunchConfig) -> LaunchConfig:
     """The same tiles on the pointer path (A gathered by pointer loads, W by TMA)."""
-    return LaunchConfig(config.block_m, dataclasses.replace(config.gemm1, ws=False),
-                        dataclasses.replace(config.gemm2, ws=False))
+    return LaunchConfig(config.block_m, dataclasses.replace(config.gemm1, tma_a=False),
+                        dataclasses.replace(config.gemm2, tma_a=False))
 
 
 def only(prepared, config: LaunchConfig, tokens: int):
@@ -44,7 +44,7 @@ def only(prepared, config: LaunchConfig, tokens: int):
 def layer(request):
     """(problem, experts, prepared weights, canonical weights) of a preset in bfloat16, up to 1024 tokens."""
     if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("ws tiles load by TMA: SM90+")
+        pytest.skip("tma_a tiles load by TMA: SM90+")
     p = load_preset(request.param).problem(quant="bf16", max_tokens=1024)
     weights = build_weights(p, torch.device("cuda"))
     experts = TritonExperts(p)
@@ -52,10 +52,10 @@ def layer(request):
 
 
 @pytest.mark.parametrize("tokens", [256, 1024])
-@pytest.mark.parametrize("config", [ws_tiles(), ws_tiles(64, 128), ws_tiles(128, 256, gemm2_ws=False),
-                                    ws_tiles(persistent=True)],
-                         ids=["128x128", "64x128", "128x256-gemm1-only", "128x128-persistent"])
-def test_ws_equals_pointer_path_and_reference(layer, tokens, config):
+@pytest.mark.parametrize("config", [tma_a_tiles(), tma_a_tiles(64, 128, num_warps=4),
+                                    tma_a_tiles(128, 64, gemm2_tma_a=False)],
+                         ids=["128x128-w8", "64x128-w4", "128x64-gemm1-only"])
+def test_tma_a_equals_pointer_path_and_reference(layer, tokens, config):
     p, experts, prepared, weights = layer
     x = torch.randn(tokens, p.hidden_size, device="cuda", dtype=p.dtype)
     topk = topk_for(p, tokens)
@@ -69,7 +69,8 @@ def test_ws_equals_pointer_path_and_reference(layer, tokens, config):
         assert_close_moe(got, reference(p, x, topk, weights), regime_for(p), context=f"{config}")
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_ws_cuda_graph_replay_equals_eager(layer, persistent):
+@pytest.mark.parametrize("gemm2_tma_a", [True, False])
+def test_tma_a_cuda_graph_replay_equals_eager(layer, gemm2_tma_a):
     p, experts, prepared, _ = layer
-    assert_replay_equals_eager_without_sync(experts, only(prepared, ws_tiles(persistent=persistent), 256), p, 256)
+    config = tma_a_tiles(gemm2_tma_a=gemm2_tma_a)
+    assert_replay_equals_eager_without_sync(experts, only(prepared, config, 256), p, 256)
