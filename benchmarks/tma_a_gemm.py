@@ -1,13 +1,14 @@
-"""Sweeps ws=True tiles (warp-specialized, A and W by TMA: gemm_ws.py) against the shipped table's config
-and FlashInfer's CUTLASS MoE, the whole experts stage per cell, on one SM90 GPU in one run (~5 min)::
+"""Sweeps tma_a=True tiles (A rows gathered in sorted order, A and W by TMA: gemm_tma_a.py) against the
+shipped table's config and FlashInfer's CUTLASS MoE, the whole experts stage per cell, on one SM90 GPU in
+one run (~5 min)::
 
-    timeout 590 python3 benchmarks/ws_gemm.py --out $OUT/ws_gemm.json   # cells also print as they finish
+    timeout 590 python3 benchmarks/tma_a_gemm.py --out $OUT/tma_a_gemm.json   # cells also print as they finish
 
 For each preset and M: every candidate config is run once (a tile that does not fit the GPU, or does not
 compile, is reported and dropped), then the table's config and the survivors take turns
 (`moe.tools.tune.time_configs`: CUDA graphs, median of ``--rounds``); FlashInfer CUTLASS is timed the way
 ``python -m moe bench`` times it, when it imports and serves the problem. Prints a markdown table (the best
-ws config per cell, its speed-up over the table's config and over FlashInfer) and writes every time as JSON.
+tma_a config per cell, its speed-up over the table's config and over FlashInfer) and writes every time as JSON.
 """
 
 from __future__ import annotations
@@ -33,34 +34,32 @@ from moe.tools.tune import make_case, time_configs  # noqa: E402
 
 PRESETS = ("mixtral-8x7b", "deepseek-v3-ep8-slice", "qwen3-30b-a3b")
 TOKENS = (256, 1024, 4096)
-# (block_m, gemm1 (block_n, num_warps, num_stages), gemm2's, gemm2 ws, persistent). 4 warps is what Triton
-# 3.6 warp-specializes on SM90; the 8-warp one runs the same descriptor loop unspecialized (a control). A
-# gated 128 x 256 tile does not fit in shared memory (248 KB at 3 stages): 256 columns for gemm2 only.
-# Each kernel compiles per preset (E_PAD differs): seconds each, most of a cold run's time.
+# (block_m, gemm1 (block_n, num_warps, num_stages), gemm2's, gemm2 tma_a). 4 or 8 warps is a tuning choice
+# (on the H100, 8 won at BLOCK_M 128, 4 at BLOCK_M 64). A gated 128 x 256 tile does not fit in shared memory
+# (248 KB at 3 stages): 256 columns for gemm2 only. Each kernel compiles per preset (E_PAD differs): seconds
+# each, most of a cold run's time.
 CANDIDATES = (
-    (128, (128, 4, 4), (128, 4, 4), True, False),
-    (128, (128, 4, 4), (256, 4, 3), True, False),
-    (64, (128, 4, 4), (128, 4, 4), True, False),
-    (64, (128, 4, 4), (256, 4, 3), True, False),
-    (128, (128, 4, 3), (128, 4, 3), True, False),
-    (128, (128, 8, 3), (128, 8, 3), True, False),
-    (128, (128, 4, 4), (128, 4, 4), False, False),
-    (128, (128, 4, 4), (128, 4, 4), True, True),
-    (128, (128, 4, 4), (256, 4, 3), True, True),
+    (128, (128, 4, 4), (128, 4, 4), True),
+    (128, (128, 4, 4), (256, 4, 3), True),
+    (64, (128, 4, 4), (128, 4, 4), True),
+    (64, (128, 4, 4), (256, 4, 3), True),
+    (128, (128, 4, 3), (128, 4, 3), True),
+    (128, (128, 8, 3), (128, 8, 3), True),
+    (128, (128, 4, 4), (128, 4, 4), False),
 )
 
 
-def ws_config(block_m: int, first: tuple, second: tuple, gemm2_ws: bool, persistent: bool) -> LaunchConfig:
-    def tile(block_n, num_warps, num_stages, ws):
-        return TileConfig(block_n, 64, 8, num_warps, num_stages, tma=True, ws=ws, persistent=persistent and ws)
+def tma_a_config(block_m: int, first: tuple, second: tuple, gemm2_tma_a: bool) -> LaunchConfig:
+    def tile(block_n, num_warps, num_stages, tma_a):
+        return TileConfig(block_n, 64, 8, num_warps, num_stages, tma=True, tma_a=tma_a)
 
-    return LaunchConfig(block_m, tile(*first, True), tile(*second, gemm2_ws))
+    return LaunchConfig(block_m, tile(*first, True), tile(*second, gemm2_tma_a))
 
 
 def label(config: LaunchConfig) -> str:
     t1, t2 = config.gemm1, config.gemm2
     return (f"m{config.block_m} n{t1.block_n}/{t2.block_n} w{t1.num_warps} s{t1.num_stages}/{t2.num_stages}"
-            + (" persistent" if t1.persistent else "") + ("" if t2.ws else " (gemm2 pointer)"))
+            + ("" if t2.tma_a else " (gemm2 pointer)"))
 
 
 def runnable(case, config: LaunchConfig) -> str | None:
@@ -94,30 +93,30 @@ def sweep_cell(preset, tokens: int, weights, platform, rounds: int) -> dict:
     table = case.weights.configs.lookup(tokens)
     configs, skipped = [], {}
     for candidate in CANDIDATES:
-        config = ws_config(*candidate)
+        config = tma_a_config(*candidate)
         why = runnable(case, config)
         if why is None:
             configs.append(config)
         else:
             skipped[label(config)] = why
     times = time_configs(case, [table, *configs], rounds)
-    ws_times = {label(c): us for c, us in zip(configs, times[1:])}
-    best = min(ws_times, key=ws_times.get) if ws_times else None
+    tma_a_times = {label(c): us for c, us in zip(configs, times[1:])}
+    best = min(tma_a_times, key=tma_a_times.get) if tma_a_times else None
     return dict(preset=preset.name, tokens=tokens, table_config=table.to_dict(), table_us=times[0],
-                ws_us=ws_times, skipped=skipped, best_ws=best, best_ws_us=ws_times.get(best),
+                tma_a_us=tma_a_times, skipped=skipped, best_tma_a=best, best_tma_a_us=tma_a_times.get(best),
                 flashinfer_us=flashinfer_us(case, weights, platform))
 
 
 def markdown(cells: list[dict]) -> str:
-    lines = ["| preset | M | table µs | best ws config | ws µs | ws vs table | FlashInfer µs | ws vs FlashInfer |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| preset | M | table µs | best tma_a config | tma_a µs | tma_a vs table | FlashInfer µs "
+             "| tma_a vs FlashInfer |", "|---|---|---|---|---|---|---|---|"]
     for c in cells:
-        ws = c["best_ws_us"]
+        us = c["best_tma_a_us"]
         fi = c["flashinfer_us"]
-        vs_table = f"{c['table_us'] / ws:.3f}x" if ws else "-"
-        vs_fi = f"{fi / ws:.3f}x" if ws and fi else "-"
-        lines.append(f"| {c['preset']} | {c['tokens']} | {c['table_us']:.1f} | {c['best_ws'] or '-'} | "
-                     f"{ws or float('nan'):.1f} | {vs_table} | {fi or float('nan'):.1f} | {vs_fi} |")
+        vs_table = f"{c['table_us'] / us:.3f}x" if us else "-"
+        vs_fi = f"{fi / us:.3f}x" if us and fi else "-"
+        lines.append(f"| {c['preset']} | {c['tokens']} | {c['table_us']:.1f} | {c['best_tma_a'] or '-'} | "
+                     f"{us or float('nan'):.1f} | {vs_table} | {fi or float('nan'):.1f} | {vs_fi} |")
     return "\n".join(lines)
 
 
@@ -136,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         for tokens in args.tokens:
             cell = sweep_cell(preset, tokens, weights, platform, args.rounds)
             cells.append(cell)
-            print(f"{name} M={tokens}: table {cell['table_us']:.1f} us, best ws {cell['best_ws']} "
-                  f"{cell['best_ws_us']} us, flashinfer {cell['flashinfer_us']} ({time.time() - start:.0f} s)",
+            print(f"{name} M={tokens}: table {cell['table_us']:.1f} us, best tma_a {cell['best_tma_a']} "
+                  f"{cell['best_tma_a_us']} us, flashinfer {cell['flashinfer_us']} ({time.time() - start:.0f} s)",
                   file=sys.stderr, flush=True)
             if args.out:  # after every cell: a run cut short keeps what it measured
                 write_json(args.out, cells)
