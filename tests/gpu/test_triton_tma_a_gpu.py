@@ -1,5 +1,6 @@
 """tma_a=True tiles (gemm_tma_a.py) on a CUDA GPU (SM90: TMA) in bfloat16 at real model shapes: equal
-to the pointer path and to the reference, and a CUDA graph replays them equal to eager."""
+to the pointer path and to the reference, a CUDA graph replays them equal to eager, and the tuner
+compiles and times its TMA-A candidates."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import pytest
 import torch
 
 from moe.experts._triton.config import ConfigTable, LaunchConfig, TileConfig
+from moe.experts._triton.gemm import precompile
 from moe.experts.triton import TritonExperts
 from moe.formats import ActivationFormat, Dispatched
 from moe.presets import load_preset
 from moe.quant import QuantizedTensor
 from moe.testing.tolerance import assert_close_moe, regime_for
+from moe.tools import tune
 from moe.tools.bench import build_weights
 from tests.gpu.test_triton_gpu import assert_replay_equals_eager_without_sync, reference, run, topk_for
 
@@ -74,3 +77,24 @@ def test_tma_a_cuda_graph_replay_equals_eager(layer, gemm2_tma_a):
     p, experts, prepared, _ = layer
     config = tma_a_tiles(gemm2_tma_a=gemm2_tma_a)
     assert_replay_equals_eager_without_sync(experts, only(prepared, config, 256), p, 256)
+
+
+def test_tune_compiles_and_times_tma_a_tiles(layer):
+    """The tuner's TMA-A candidates at BLOCK_M 128 (8 warps, the H100's winners): their kernels (row
+    gather, TMA-A GEMM) precompile, and every tile's launches run and get a finite time."""
+    p, experts, prepared, _ = layer
+    x = torch.randn(256, p.hidden_size, device="cuda", dtype=p.dtype)
+    case = tune.TuneCase(p, experts, prepared, [(x, topk_for(p, 256))])
+    rows_per_expert = 256 * p.top_k / p.local_num_experts
+
+    def tiles(wide):
+        return [t for t in tune.candidate_tiles(128, wide, "bf16", rows_per_expert)
+                if t.tma_a and t.num_warps == 8 and t.block_n == 128 and t.block_k == 64]
+
+    first, second, _ = tune.gemm_launches(case, 128, False, tiles(not p.activation.is_gated), tiles(True),
+                                          torch.device("cuda"))
+    assert first and second
+    for spec in tune.distinct_kernels([first, second]):
+        assert precompile(spec) is None, spec[3]
+    times = {**tune.tile_times(first, None), **tune.tile_times(second, None)}
+    assert all(0 < us < float("inf") for us in times.values()), times

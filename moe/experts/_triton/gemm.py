@@ -91,6 +91,24 @@ class Launch:
         args = tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in self.args)
         return self.grid, args, self.constexprs, self.kernel
 
+    def compile_specs(self) -> list[tuple]:
+        """The `compile_spec` of every kernel this step launches (as `LaunchSequence.compile_specs`)."""
+        return [self.compile_spec()]
+
+
+@dataclass(frozen=True)
+class LaunchSequence:
+    """Launches run in order as one step, e.g. the TMA-A path's row gather and then its GEMM."""
+
+    launches: tuple[Launch, ...]
+
+    def run(self) -> None:
+        for launch in self.launches:
+            launch.run()
+
+    def compile_specs(self) -> list[tuple]:
+        return [launch.compile_spec() for launch in self.launches]
+
 
 def precompile(spec: tuple) -> str | None:
     """Compiles the kernel of a `Launch.compile_spec` into Triton's cache; the error text, if any."""
