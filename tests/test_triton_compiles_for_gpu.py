@@ -65,6 +65,8 @@ def tile(block_n=32, block_k=64, tma=False):
 
 
 TMA = cfg.LaunchConfig(16, tile(tma=True), tile(64, 32, tma=True))
+TMA_A = cfg.LaunchConfig(64, *[cfg.TileConfig(64, 64, tma=True, tma_a=True)] * 2)
+TMA_A_GEMM1 = cfg.LaunchConfig(64, cfg.TileConfig(64, 32, tma=True, tma_a=True), tile(64, 32, tma=True))
 EP_MAP = (-1, 0, -1, -1, 1, -1, 2, -1)  # experts 1, 4, 6 of 8 live here
 
 
@@ -143,6 +145,9 @@ SCENARIOS = {
     "fp8 block weight-only": lambda: standard("fp8_block", "relu2", weight_only=True),
     "fp16 silu TMA": lambda: standard("fp16", config=TMA),
     "fp8 block TMA": lambda: standard("fp8_block", config=TMA),
+    "fp16 silu tma_a": lambda: standard("fp16", config=TMA_A),
+    "fp32 relu2 tma_a gemm1 expert map bias": lambda: standard("fp32", "relu2", config=TMA_A_GEMM1, E=8, k=3,
+                                                               expert_map=EP_MAP, bias=True),
     "mxfp4 decode one token fma": lambda: decode(1, FMA_TILES),
     "mxfp4 decode grouped dot, one split": lambda: decode(3, DOT_TILES, activation="silu"),
     "batched fp8 tensor": lambda: batched("fp8"),
@@ -157,10 +162,13 @@ SCENARIOS = {
 # The switches whose every value some scenario must launch: a scheme whose calls stop reaching a
 # kernel (another path took them) fails here rather than going unchecked.
 GEMM = "moe.experts._triton._gemm.moe_gemm_kernel"
+TMA_A_GEMM = "moe.experts._triton._gemm_tma_a.moe_gemm_tma_a_kernel"
 SWITCHES = {
     GEMM: {"ROWS": set(ROW_CODES.values()), "QUANT": set(QUANT_CODES.values()),
            "ACTIVATION": set(ACTIVATION_CODES.values()), "GATED": BOTH, "WEIGHT_ONLY": BOTH, "HAS_BIAS": BOTH,
            "HAS_MAP": BOTH, "EVEN_K": BOTH, "IEEE": BOTH, "W_TMA": BOTH},
+    TMA_A_GEMM: {"GATED": BOTH, "OUT_SORTED": BOTH, "HAS_BIAS": BOTH, "IEEE": BOTH},
+    "moe.experts._triton._gemm_tma_a.gather_rows_kernel": {"A_ROW_DIV": {2, 3}},
     "moe.experts._triton._rows.fp8_quant_kernel": {"MODE": set(FP8_MODES.values()), "VALID": {0, 1, 2}},
     "moe.experts._triton._rows.combine_kernel": {"CHECK_LOCAL": BOTH},
     "moe.experts._triton._align.align_fused_kernel": {"HAS_MAP": BOTH},

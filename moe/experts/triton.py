@@ -31,6 +31,7 @@ from moe.experts._triton.config import BLOCK_MS, ConfigTable
 from moe.experts._triton.decode import DECODE_FORMATS, decode_config, decode_experts, uses_decode
 from moe.experts._triton.decode import workspace_buffers as decode_buffers
 from moe.experts._triton.gemm import DirectRows, SortedRows, grouped_gemm
+from moe.experts._triton.gemm_tma_a import sorted_tma_a_gemms, workspace_rows
 from moe.experts._triton.rows import RowValidity, combine_slots_kernel
 from moe.experts._triton.support import (
     COMMON_CAPABILITIES,
@@ -91,10 +92,12 @@ class TritonExperts(Experts):
         tokens = dispatch.max_rows
         slots = tokens * p.top_k
         act = activation_format(p, None)  # an upper bound: fp8 buffers even where fp8 runs weight-only
+        # dense problems may run tma_a tiles, whose inter and y hold every row of a layout, padding included
+        rows = slots if p.quant.is_quantized else workspace_rows(slots, p.local_num_experts)
         return WorkspaceShapes.of(
             out=((tokens, p.hidden_size), p.dtype),
-            inter=((slots, p.intermediate_size), p.dtype),
-            y=((slots, p.hidden_size), p.dtype),
+            inter=((rows, p.intermediate_size), p.dtype),
+            y=((rows, p.hidden_size), p.dtype),
             **align_buffers(slots, p.local_num_experts, BLOCK_MS),
             **quant_buffers(act, "x", tokens, p.hidden_size),
             **quant_buffers(act, "inter", slots, p.intermediate_size),
@@ -128,13 +131,16 @@ class TritonExperts(Experts):
         x, x_scale = dispatched.x.data, dispatched.x.scale
         if dispatched.x.fmt is QuantFormat.NONE:
             x, x_scale = quantize_activation(x, act, "x", workspace, RowValidity())
-        inter = workspace["inter"][:slots]
-        grouped_gemm(x, x_scale, weights.w13, inter, rows1, p.activation, config.block_m, config.gemm1)
-        # 3. second GEMM on the (quantized) intermediate, one row per slot
-        here = RowValidity.slots_here(ids, weights.expert_map)
-        a2, a2_scale = quantize_activation(inter, act, "inter", workspace, here)
-        y = workspace["y"][:slots]
-        grouped_gemm(a2, a2_scale, weights.w2, y, rows2, None, config.block_m, config.gemm2)
+        if config.gemm1.tma_a:  # A by TMA from rows gathered in sorted order first (gemm_tma_a.py)
+            y = sorted_tma_a_gemms(x, weights.w13, weights.w2, layout, p.activation, config, workspace, slots, k)
+        else:
+            inter = workspace["inter"][:slots]
+            grouped_gemm(x, x_scale, weights.w13, inter, rows1, p.activation, config.block_m, config.gemm1)
+            # 3. second GEMM on the (quantized) intermediate, one row per slot
+            here = RowValidity.slots_here(ids, weights.expert_map)
+            a2, a2_scale = quantize_activation(inter, act, "inter", workspace, here)
+            y = workspace["y"][:slots]
+            grouped_gemm(a2, a2_scale, weights.w2, y, rows2, None, config.block_m, config.gemm2)
         # 4. router weights and the sum over k
         combine_slots_kernel(y, dispatched.topk.weights, ids, weights.expert_map, out)
         return ExpertsOutput(OutputKind.REDUCED, out)

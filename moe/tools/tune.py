@@ -28,7 +28,8 @@ import torch
 from moe.errors import MoEConfigError, UnsupportedError
 from moe.experts._triton.align import align_block_size
 from moe.experts._triton.config import CONFIG_DIR, ConfigTable, LaunchConfig, TileConfig, triton_cache_dir
-from moe.experts._triton.gemm import DirectRows, SortedRows, gemm_launch, precompile
+from moe.experts._triton.gemm import DirectRows, LaunchSequence, SortedRows, gemm_launch, precompile
+from moe.experts._triton.gemm_tma_a import gather_launch, tma_a_gemm_launch
 from moe.experts._triton.rows import RowValidity
 from moe.experts._triton.support import config_key, quantize_activation
 from moe.experts.triton import TritonExperts
@@ -42,6 +43,8 @@ from moe.workspace import WorkspaceManager
 from moe.progress import Progress
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# schemes whose weights may take TMA-A tiles: dense, 16-bit (float32's IEEE products gain nothing from TMA)
+TMA_A_SCHEMES = ("bf16", "fp16")
 
 
 # --- the search space --------------------------------------------------------------------------------
@@ -69,7 +72,10 @@ def candidate_tiles(block_m: int, wide_output: bool, scheme: str, rows_per_exper
     """Tiles for one GEMM; ``wide_output`` is False for the gated first GEMM (two accumulators).
 
     Small blocks stream weights (memory bound): wide K steps, deep pipelines, and GROUP_M > 1 so
-    that an expert's several blocks read each weight tile while it is still in L2.
+    that an expert's several blocks read each weight tile while it is still in L2. Blocks of 64+ rows
+    of a dense 16-bit scheme also try each TMA tile as a TMA-A tile (``tma_a``: A rows gathered into
+    sorted order first, then loaded by TMA too), the path that won on the H100 at BLOCK_M 128
+    (benchmarks/results/tma_a_nvidia-h100.md).
     """
     ks = {"fp8_block": (64, 128), "mxfp4": (64, 128, 256)}.get(scheme)
     groups = (1,) if rows_per_expert <= block_m else (1, 8)
@@ -87,6 +93,8 @@ def candidate_tiles(block_m: int, wide_output: bool, scheme: str, rows_per_exper
     # weight tiles by TMA as well, where the weights allow it (not MXFP4) and the box is <= 128 wide
     if scheme != "mxfp4":
         tiles += [dataclasses.replace(t, tma=True) for t in tiles if t.block_k <= 128]
+    if scheme in TMA_A_SCHEMES and block_m >= 64:  # a gated 256-column tile overflows shared memory
+        tiles += [dataclasses.replace(t, tma_a=True) for t in tiles if t.tma and (wide_output or t.block_n < 256)]
     # a 128-row block with 4 warps spills its accumulators on wide tiles
     return [t for t in tiles if not (block_m == 128 and t.num_warps == 4 and t.block_n >= 128)]
 
@@ -132,12 +140,30 @@ def gemm_launches(case: TuneCase, block_m: int, direct: bool, tiles1, tiles2, de
         x, x_scale = quantize_activation(hidden, p.quant.activation, "x", ws, RowValidity())
         inter, y = ws["inter"][:slots], ws["y"][:slots]
         for t in tiles1:
-            first[t].append(gemm_launch(x, x_scale, w.w13, inter, rows1, p.activation, block_m, t))
-        inter.normal_()  # a realistic intermediate for the second GEMM's input
+            first[t].append(_tma_a_gemm1(case, x, rows1, ws, t) if t.tma_a and not direct
+                            else gemm_launch(x, x_scale, w.w13, inter, rows1, p.activation, block_m, t))
+        ws["inter"].normal_()  # a realistic intermediate for the second GEMM's input
         a2, a2_scale = quantize_activation(inter, p.quant.activation, "inter", ws, here)
         for t in tiles2:
-            second[t].append(gemm_launch(a2, a2_scale, w.w2, y, rows2, None, block_m, t))
+            second[t].append(_tma_a_gemm2(case, rows1, ws, t) if t.tma_a and not direct
+                             else gemm_launch(a2, a2_scale, w.w2, y, rows2, None, block_m, t))
     return first, second, aligns
+
+
+def _tma_a_gemm1(case: TuneCase, x: torch.Tensor, rows: SortedRows, ws, tile: TileConfig) -> LaunchSequence:
+    """A ``tma_a`` tile's first GEMM as `TritonExperts` runs it (gemm_tma_a.py): the row gather into
+    ``y``, whose time counts as the GEMM's, then the GEMM into the sorted intermediate."""
+    count = rows.layout.sorted_slots.numel()
+    x_sorted, inter_sorted = ws["y"][:count], ws["inter"][:count]
+    return LaunchSequence((gather_launch(x, rows.layout, case.problem.top_k, x_sorted),
+                           tma_a_gemm_launch(x_sorted, case.weights.w13, inter_sorted, rows.layout, True,
+                                             case.problem.activation, tile)))
+
+
+def _tma_a_gemm2(case: TuneCase, rows: SortedRows, ws, tile: TileConfig):
+    """A ``tma_a`` tile's second GEMM: the sorted intermediate to the slots' rows of ``y``."""
+    inter_sorted = ws["inter"][:rows.layout.sorted_slots.numel()]
+    return tma_a_gemm_launch(inter_sorted, case.weights.w2, ws["y"][:rows.num_slots], rows.layout, False, None, tile)
 
 
 def distinct_kernels(launch_sets: list[dict]) -> list[tuple]:
@@ -145,8 +171,8 @@ def distinct_kernels(launch_sets: list[dict]) -> list[tuple]:
     specs = {}
     for launches in launch_sets:
         for runs in launches.values():
-            spec = runs[0].compile_spec()
-            specs[repr(spec[1:])] = spec
+            for spec in runs[0].compile_specs():
+                specs[repr(spec[1:])] = spec
     return list(specs.values())
 
 
@@ -157,21 +183,37 @@ def precompile_all(specs: list[tuple], pool: ProcessPoolExecutor, progress: Prog
             progress.step("compiling")
 
 
-def best_tile(launches: dict, progress: Progress | None) -> tuple[TileConfig | None, float]:
-    best, best_us = None, float("inf")
+def tile_times(launches: dict, progress: Progress | None) -> dict[TileConfig, float]:
+    """Microseconds of each tile's launches (CUDA graphs); infinite for a tile that does not run here."""
+    times = {}
     for tile, runs in launches.items():
         try:
-            us = time_calls([r.run for r in runs], graphs=True, budget_ms=30.0)
+            times[tile] = time_calls([r.run for r in runs], graphs=True, budget_ms=30.0)
         except Exception as error:  # noqa: BLE001 -- a tile that does not fit this GPU
-            us = float("inf")
+            times[tile] = float("inf")
             if progress:
                 progress.step(f"skip {type(error).__name__}")
         else:
             if progress:
-                progress.step(f"{tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages}: {us:.1f}us")
-        if us < best_us:
-            best, best_us = tile, us
-    return best, best_us
+                progress.step(f"{tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages}: "
+                              f"{times[tile]:.1f}us")
+    return times
+
+
+def tile_pairs(times1: dict, times2: dict) -> list[tuple[float, TileConfig, TileConfig]]:
+    """``(us1 + us2, gemm1 tile, gemm2 tile)``: the fastest first tile, and the fastest ``tma_a`` one,
+    each with the fastest second tile it can feed -- a ``tma_a`` second GEMM reads the sorted
+    intermediate that only a ``tma_a`` first GEMM writes (`LaunchConfig` refuses other pairs)."""
+    def fastest(times: dict, ok) -> tuple[float, TileConfig] | None:
+        return min(((us, t) for t, us in times.items() if ok(t) and us < float("inf")),
+                   key=lambda ut: ut[0], default=None)
+
+    pairs = []
+    for first in (fastest(times1, lambda t: True), fastest(times1, lambda t: t.tma_a)):
+        second = first and fastest(times2, lambda t, feeds_sorted=first[1].tma_a: feeds_sorted or not t.tma_a)
+        if second and (first[0] + second[0], first[1], second[1]) not in pairs:
+            pairs.append((first[0] + second[0], first[1], second[1]))
+    return pairs
 
 
 def time_configs(case: TuneCase, configs: list[LaunchConfig], rounds: int = 3) -> list[float]:
@@ -209,12 +251,10 @@ def tune_bucket(case: TuneCase, scheme: str, pool: ProcessPoolExecutor, device, 
     precompile_all(specs, pool, progress)
     ranked = []
     for (block_m, direct), first, second, aligns in plans:
-        tile1, us1 = best_tile(first, progress)
-        tile2, us2 = best_tile(second, progress)
+        pairs = tile_pairs(tile_times(first, progress), tile_times(second, progress))
         # the sorted path also pays the alignment: direct has to beat both together
-        us = us1 + us2 + (time_calls(aligns, graphs=True, budget_ms=20.0) if aligns else 0.0)
-        if tile1 and tile2:
-            ranked.append((us, LaunchConfig(block_m, tile1, tile2, direct)))
+        align_us = time_calls(aligns, graphs=True, budget_ms=20.0) if aligns and pairs else 0.0
+        ranked += [(us + align_us, LaunchConfig(block_m, tile1, tile2, direct)) for us, tile1, tile2 in pairs]
     if not ranked:
         raise RuntimeError(f"no candidate config ran for {label}")
     finals = [c for _, c in sorted(ranked, key=lambda uc: uc[0])[:finalists]]

@@ -3,13 +3,14 @@
 Layout, one concept per module; each launcher module holds the launcher and its torch twin, the
 ``_``-prefixed sibling holds the ``@triton.jit`` code::
 
-    align.py   / _align.py    sort the (token, slot) pairs by expert and pad each expert to BLOCK_M
-    gemm.py    / _gemm.py     the grouped GEMMs: w13 with the activation fused in, then w2
-    rows.py    / _rows.py     per-row helpers: fp8 activation quantization, weighted sum over k
-    _lang.py                  jit'd twins of triton.language helpers (interpreter-safe)
-    config.py                 launch configurations: data files per shape and device, defaults
-    weights.py                ``TritonWeights``: canonical weights converted once for the kernels
-    support.py                what the two experts share: capability data, checks, config keys
+    align.py      / _align.py       sort the (token, slot) pairs by expert and pad each expert to BLOCK_M
+    gemm.py       / _gemm.py        the grouped GEMMs: w13 with the activation fused in, then w2
+    gemm_tma_a.py / _gemm_tma_a.py  tma_a=True tiles: A rows gathered in sorted order, A and W by TMA
+    rows.py       / _rows.py        per-row helpers: fp8 activation quantization, weighted sum over k
+    _lang.py                        jit'd twins of triton.language helpers (interpreter-safe)
+    config.py                       launch configurations: data files per shape and device, defaults
+    weights.py                      ``TritonWeights``: canonical weights converted once for the kernels
+    support.py                      what the two experts share: capability data, checks, config keys
 
 The kernels run on CUDA GPUs (SM80+; fp8 needs SM89+) and, slowly, on CPU tensors under
 ``TRITON_INTERPRET=1`` (tests use float16/float32 there: the interpreter gets bfloat16 wrong).

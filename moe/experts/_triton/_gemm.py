@@ -215,6 +215,21 @@ def _tile_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, rows): the local expert of sorted block ``pid_m`` (``num_experts`` when the block lies
+    past the last segment) and how many of its rows hold a slot (the rest are padding)."""
+    first = pid_m * BLOCK_M
+    experts = tl.arange(0, E_PAD)
+    is_expert = experts < num_experts
+    ends = tl.load(ends_ptr + experts, mask=is_expert, other=0)
+    counts = tl.load(counts_ptr + experts, mask=is_expert, other=0)
+    expert = sum_(((ends <= first) & is_expert).to(tl.int32), 0)  # segments ending before it
+    count = sum_(tl.where(experts == expert, counts, 0), 0)
+    segment_start = sum_(tl.where(experts == expert, ends, 0), 0) - cdiv_(count, BLOCK_M) * BLOCK_M
+    return expert, count - (first - segment_start)
+
+
+@triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
     if IEEE:  # float32 problems: exact products instead of tf32
         return tl.dot(a, b, acc, input_precision="ieee")
@@ -240,17 +255,10 @@ def moe_gemm_kernel(
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if ROWS == _SORTED:  # rows_ptr: sorted slots; ends_ptr, counts_ptr: per local expert
-        first = pid_m * BLOCK_M
-        experts = tl.arange(0, E_PAD)
-        is_expert = experts < num_experts
-        ends = tl.load(ends_ptr + experts, mask=is_expert, other=0)
-        counts = tl.load(counts_ptr + experts, mask=is_expert, other=0)
-        expert = sum_(((ends <= first) & is_expert).to(tl.int32), 0)  # segments ending before it
+        expert, valid = _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD, BLOCK_M)
         if expert >= num_experts:  # past the last segment
             return
-        count = sum_(tl.where(experts == expert, counts, 0), 0)
-        segment_start = sum_(tl.where(experts == expert, ends, 0), 0) - cdiv_(count, BLOCK_M) * BLOCK_M
-        row_ok = rows - segment_start < count
+        row_ok = tl.arange(0, BLOCK_M) < valid
         slots = tl.load(rows_ptr + rows, mask=row_ok, other=0)  # padding rows read row 0, never stored
         a_rows = slots // A_ROW_DIV
         out_rows = slots

@@ -58,9 +58,15 @@ def experts_pad(num_local: int) -> int:
     return next_power_of_2(max(num_local, 2))
 
 
+def padded_rows(num_slots: int, num_local: int, block_ms: tuple[int, ...]) -> int:
+    """The most rows (slots and padding) a `BlockLayout` of up to ``num_slots`` slots holds, for any
+    block size in ``block_ms``."""
+    return max(max_blocks(num_slots, num_local, bm) * bm for bm in block_ms)
+
+
 def workspace_buffers(num_slots: int, num_local: int, block_ms: tuple[int, ...]) -> dict:
     """The alignment's buffers for up to ``num_slots`` slots and any block size in ``block_ms``."""
-    padded = max(max_blocks(num_slots, num_local, bm) * bm for bm in block_ms)
+    padded = padded_rows(num_slots, num_local, block_ms)
     i32, experts = torch.int32, max(num_local, 1)
     return {
         "sorted_slots": ((padded,), i32),

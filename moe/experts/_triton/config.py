@@ -37,6 +37,14 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     tma: bool = False  # weight tiles by TMA (SM90+; dense and fp8 weights whose rows are 16-byte multiples)
+    # A tiles by TMA too, from rows gathered into sorted order by a separate kernel first
+    # (gemm_tma_a.py): dense weights in the activations' dtype, the standard format's sorted path
+    tma_a: bool = False
+
+    def __post_init__(self):
+        if self.tma_a and not self.tma:
+            raise MoEConfigError(f"tma_a=True needs tma=True: the TMA-A GEMM loads the weight tiles by TMA "
+                                 f"too (got {self})")
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,11 @@ class LaunchConfig:
     def __post_init__(self):
         if self.block_m not in BLOCK_MS:
             raise MoEConfigError(f"block_m must be one of {BLOCK_MS} (got {self.block_m})")
+        if self.gemm2.tma_a and not self.gemm1.tma_a:
+            raise MoEConfigError(f"gemm2.tma_a=True needs gemm1.tma_a=True: the second GEMM reads its A tiles "
+                                 f"from the intermediate rows the first writes in sorted order (got {self})")
+        if self.direct and self.gemm1.tma_a:
+            raise MoEConfigError(f"tma_a=True tiles need sorted rows; a direct config has none (got {self})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from moe.activation import Activation, ActivationKind
+from moe.errors import MoEConfigError
 from moe.experts._triton import cdiv, kernels, next_power_of_2
 from moe.experts._triton.align import BlockLayout, experts_pad
 from moe.experts._triton.config import TileConfig
@@ -80,21 +81,40 @@ class Launch:
     grid: tuple[int, ...]
     args: tuple  # positional: tensors and ints
     constexprs: dict  # keyword: the compile-time switches, num_warps and num_stages
+    kernel: tuple[str, str] = ("gemm", "moe_gemm_kernel")  # (the `kernels` module, the kernel's name)
 
     def run(self) -> None:
-        kernels("gemm").moe_gemm_kernel[self.grid](*self.args, **self.constexprs)
+        getattr(kernels(self.kernel[0]), self.kernel[1])[self.grid](*self.args, **self.constexprs)
 
     def compile_spec(self) -> tuple:
         """Picklable stand-in (tensors replaced by their dtypes) for `precompile` in another process."""
         args = tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in self.args)
-        return self.grid, args, self.constexprs
+        return self.grid, args, self.constexprs, self.kernel
+
+    def compile_specs(self) -> list[tuple]:
+        """The `compile_spec` of every kernel this step launches (as `LaunchSequence.compile_specs`)."""
+        return [self.compile_spec()]
+
+
+@dataclass(frozen=True)
+class LaunchSequence:
+    """Launches run in order as one step, e.g. the TMA-A path's row gather and then its GEMM."""
+
+    launches: tuple[Launch, ...]
+
+    def run(self) -> None:
+        for launch in self.launches:
+            launch.run()
+
+    def compile_specs(self) -> list[tuple]:
+        return [launch.compile_spec() for launch in self.launches]
 
 
 def precompile(spec: tuple) -> str | None:
     """Compiles the kernel of a `Launch.compile_spec` into Triton's cache; the error text, if any."""
-    grid, args, constexprs = spec
+    grid, args, constexprs, (module, name) = spec
     try:
-        kernels("gemm").moe_gemm_kernel.warmup(*args, grid=grid, **constexprs)
+        getattr(kernels(module), name).warmup(*args, grid=grid, **constexprs)
     except Exception as error:  # noqa: BLE001 -- e.g. a tile that does not fit shared memory
         return f"{type(error).__name__}: {error}"
     return None
@@ -111,6 +131,9 @@ def gemm_launch(
     tile: TileConfig,
 ) -> Launch:
     """The launch of `grouped_gemm` (see there)."""
+    if tile.tma_a:
+        raise MoEConfigError(f"a tma_a=True tile runs only in the standard format's sorted path (gemm_tma_a.py), "
+                             f"not with {type(rows).__name__} (got {tile}); use tma_a=False here")
     gated = activation is not None and activation.is_gated
     n_out = out.shape[-1]
     k = w.k

@@ -132,6 +132,9 @@ def prepare_triton_weights(
         for operand, tile in ((w13, config.gemm1), (w2, config.gemm2)):
             if tile.tma:
                 operand.descriptor(tile.block_n, tile.block_k)
+            if tile.tma_a and operand.fmt is not QuantFormat.NONE:
+                raise MoEConfigError(f"tma_a=True tiles need dense weights (got {operand.fmt.value}); use "
+                                     f"tma_a=False for this scheme")
     small = all(mxfp4_scales_small(operand) for operand in (w13, w2))
     return TritonWeights(w13=w13, w2=w2, expert_map=map_tensor, configs=configs, weight_only=weight_only,
                          small_scales=small)

@@ -1,0 +1,117 @@
+"""The TMA-A grouped GEMMs of the standard format's sorted path (``TileConfig.tma_a``).
+
+The pointer kernel (gemm.py) gathers each A tile's rows by pointer loads; here the A rows are first
+gathered into the `BlockLayout`'s sorted order, so that both GEMMs load A, like W, by TMA descriptor
+(TMA gather of scattered rows is Blackwell-only)::
+
+    gather   x_sorted[r] = x[slot[r] // k]        (r over the layout's rows; padding rows copy row 0)
+    gemm1    inter_sorted[r] = act(x_sorted[r] @ w13[e].T + b13[e])      (or, gemm2 not tma_a: inter[slot[r]])
+    gemm2    y[slot[r]] = inter_sorted[r] @ w2[e].T + b2[e]              (rows that hold a slot)
+
+Dense weights in the activations' dtype only (bf16/fp16; fp32 runs the same loop with IEEE products).
+``x_sorted`` lives in the workspace's ``y`` rows (GEMM2 overwrites them after GEMM1 has read them) and
+``inter_sorted`` in ``inter``'s; both buffers have room for the padding rows (`workspace_rows`). The
+twin is `gemm.grouped_gemm_reference` on the routed rows. The kernel is not warp-specialized: why, in
+_gemm_tma_a.py's docstring.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe.activation import Activation
+from moe.errors import MoEConfigError
+from moe.experts._triton import cdiv
+from moe.experts._triton.align import BlockLayout, experts_pad, padded_rows
+from moe.experts._triton.config import BLOCK_MS, LaunchConfig, TileConfig
+from moe.experts._triton.gemm import ACTIVATION_CODES, Launch, SortedRows, grouped_gemm
+from moe.experts._triton.weights import WeightOperand
+from moe.quant import QuantFormat
+
+_GATHER_BLOCK_K = 256  # columns per gather program
+_MODULE = "gemm_tma_a"  # the `kernels` module of this file's kernels
+
+
+def workspace_rows(num_slots: int, num_local: int) -> int:
+    """Rows of the ``inter`` and ``y`` buffers for the TMA-A path: every slot and any layout's padding."""
+    return padded_rows(num_slots, num_local, BLOCK_MS)
+
+
+def gather_launch(src: torch.Tensor, layout: BlockLayout, a_row_div: int, dst: torch.Tensor) -> Launch:
+    """The launch of ``dst[r] = src[slot[r] // a_row_div]`` for the layout's rows
+    (`_gemm_tma_a.gather_rows_kernel`); ``dst`` has at least ``sorted_slots.numel()`` rows."""
+    k = src.shape[1]
+    num_experts = layout.expert_counts.numel()
+    args = (src, dst, layout.sorted_slots, layout.expert_ends, layout.expert_counts, num_experts, k,
+            src.stride(0), src.stride(1), dst.stride(0))
+    constexprs = dict(A_ROW_DIV=a_row_div, E_PAD=experts_pad(num_experts), BLOCK_M=layout.block_m,
+                      BLOCK_K=_GATHER_BLOCK_K, num_warps=4)
+    return Launch((layout.max_blocks, cdiv(k, _GATHER_BLOCK_K)), args, constexprs,
+                  kernel=(_MODULE, "gather_rows_kernel"))
+
+
+def gather_sorted_rows(src: torch.Tensor, layout: BlockLayout, a_row_div: int, dst: torch.Tensor) -> torch.Tensor:
+    """Runs `gather_launch`; returns ``dst``'s first ``sorted_slots.numel()`` rows."""
+    dst = dst[:layout.sorted_slots.numel()]
+    gather_launch(src, layout, a_row_div, dst).run()
+    return dst
+
+
+def _check_operands(a_sorted: torch.Tensor, w: WeightOperand) -> None:
+    if w.fmt is not QuantFormat.NONE or w.data.dtype != a_sorted.dtype:
+        raise MoEConfigError(f"tma_a=True tiles need dense weights in the activations' dtype (got {w.fmt.value} "
+                             f"{w.data.dtype} weights, {a_sorted.dtype} activations); use tma_a=False for this "
+                             f"scheme")
+    if a_sorted.stride(1) != 1 or (a_sorted.shape[1] * a_sorted.element_size()) % 16:
+        raise MoEConfigError(f"tma_a=True tiles load A rows by TMA: they must be contiguous 16-byte multiples "
+                             f"(got K = {a_sorted.shape[1]} in {a_sorted.dtype}); use tma_a=False for this shape")
+
+
+def tma_a_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tensor, layout: BlockLayout,
+                      out_sorted: bool, activation: Activation | None, tile: TileConfig) -> Launch:
+    """The launch of ``out = act(a_sorted @ w[expert].T + bias)`` over the layout's blocks; ``a_sorted``
+    holds the layout's rows in order; ``out_sorted``: output row r, else row ``slot[r]``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    _check_operands(a_sorted, w)
+    block_m = layout.block_m
+    gated = activation is not None and activation.is_gated
+    n_out, k = out.shape[1], w.k
+    a_desc = TensorDescriptor(a_sorted, list(a_sorted.shape), [a_sorted.stride(0), 1], [block_m, tile.block_k])
+    num_experts = layout.expert_counts.numel()
+    act = activation
+    params = (act.alpha, act.beta, act.limit) if act is not None and act.alpha is not None else (0.0, 0.0, 0.0)
+    bias = w.bias if w.bias is not None else w.data  # never read without HAS_BIAS
+    bias_strides = tuple(w.bias.stride()) if w.bias is not None else (0, 0)
+    args = (a_desc, w.descriptor(tile.block_n, tile.block_k), bias, out,
+            layout.sorted_slots, layout.expert_ends, layout.expert_counts,
+            layout.max_blocks, num_experts, n_out, k, w.data.shape[1], *bias_strides,
+            out.stride(0), out.stride(1), *params)
+    constexprs = dict(
+        GATED=gated, ACTIVATION=ACTIVATION_CODES[None if act is None else act.kind], HAS_BIAS=w.bias is not None,
+        OUT_SORTED=out_sorted, IEEE=a_sorted.dtype == torch.float32, E_PAD=experts_pad(num_experts),
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    grid = (layout.max_blocks * cdiv(n_out, tile.block_n),)
+    return Launch(grid, args, constexprs, kernel=(_MODULE, "moe_gemm_tma_a_kernel"))
+
+
+def sorted_tma_a_gemms(x: torch.Tensor, w13: WeightOperand, w2: WeightOperand, layout: BlockLayout,
+                       activation: Activation, config: LaunchConfig, workspace, num_slots: int,
+                       top_k: int) -> torch.Tensor:
+    """Both GEMMs of a config whose ``gemm1.tma_a`` is set (gemm2's may be): ``y [num_slots, H]`` (the
+    module docstring), in the workspace's ``y``; no allocation."""
+    rows = layout.sorted_slots.numel()
+    y = workspace["y"]
+    x_sorted = gather_sorted_rows(x, layout, top_k, y)  # read by GEMM1 before GEMM2 writes y
+    if config.gemm2.tma_a:
+        inter = workspace["inter"][:rows]
+        tma_a_gemm_launch(x_sorted, w13, inter, layout, True, activation, config.gemm1).run()
+        tma_a_gemm_launch(inter, w2, y[:num_slots], layout, False, None, config.gemm2).run()
+    else:
+        inter = workspace["inter"][:num_slots]
+        tma_a_gemm_launch(x_sorted, w13, inter, layout, False, activation, config.gemm1).run()
+        grouped_gemm(inter, None, w2, y[:num_slots], SortedRows(layout, num_slots, 1), None,
+                     config.block_m, config.gemm2)
+    return y[:num_slots]
