@@ -9,8 +9,9 @@ a slot). The K loop is software-pipelined by ``num_stages``, one tile per progra
 No warp specialization: with Triton 3.6.0 on an H100, ``tl.range(..., warp_specialize=True)`` over this
 loop failed to compile with 128 local experts (E_PAD = 128: an assertion in the NVGPUWarpSpecialization
 pass, WSLowerToken.cpp), and where it compiled (the expert count split into chunks of 32) the kernel
-hung on the GPU in every variant tried (one tile per program or persistent, GEMM1 only or both, blocks
-past the last segment running 0, 1 or all K steps). The same descriptor loop without it is correct.
+hung on the GPU in every variant run (one tile per program; GEMM1 only or both; blocks past the last
+segment running 0, 1 or all K steps; the runs that also held a persistent form hung at their first
+case). The same descriptor loop without it is correct.
 """
 
 import triton
