@@ -50,6 +50,7 @@ MACHINES = {
         "mxfp4_gpt-oss-120b_nvidia-h100.json": ("records", None),
         "fp8_block_nvidia-h100.json": ("records", None),
         "fp8_block_qwen3_tuned_nvidia-h100.json": ("records", None),  # after the H100 fp8_block table (Qwen3)
+        "bf16_tma_a_tables_nvidia-h100.json": ("records", None),  # after the H100 bf16 tables (Mixtral, DeepSeek)
     }, "measured on nvidia-h100 (2026-11-25) by python -m moe bench --json"),
 }
 
@@ -74,8 +75,8 @@ def write(machine: Machine) -> Path:
     out = PROFILE_DIR / f"measured-{machine.kind}.yaml"
     if out.exists():
         out.unlink()
-    save_profile(out, entries, merge=False, description=machine.description)
-    print(f"{out}: {len(entries)} measurements")
+    kept = save_profile(out, entries, merge=False, description=machine.description).entries
+    print(f"{out}: {len(kept)} measurements ({len(entries) - len(kept)} replaced by a later file's)")
     return out
 
 

@@ -33,11 +33,13 @@ def _script():
     return module
 
 
-def _cells(name: str) -> dict[tuple[str, str], dict[int, dict[str, float]]]:
-    """(preset, scheme) -> M -> experts backend -> measured us, from one committed bench result file."""
+def _cells(*names: str) -> dict[tuple[str, str], dict[int, dict[str, float]]]:
+    """(preset, scheme) -> M -> experts backend -> measured us, from committed bench result files in
+    order (a later file's time of a backend replaces an earlier one's, as in the profile)."""
     cells: dict = defaultdict(lambda: defaultdict(dict))
-    for r in json.loads((RESULTS / name).read_text())["records"]:
-        cells[(r["preset"], r["quant"])][r["tokens"]][r["experts"]] = r["us"]
+    for name in names:
+        for r in json.loads((RESULTS / name).read_text())["records"]:
+            cells[(r["preset"], r["quant"])][r["tokens"]][r["experts"]] = r["us"]
     return cells
 
 
@@ -74,12 +76,14 @@ def test_h100_plan_for_qwen3_decode_cites_an_h100_measurement_and_takes_its_fast
 
 @pytest.mark.parametrize("name", H100_BENCH)
 def test_h100_plan_takes_the_measured_fastest_in_every_bench_cell(name):
+    """Every cell of the file, with the times the profile holds (a later source file's replace its)."""
+    merged = _cells(*_script().MACHINES["nvidia-h100"].sources)
     for (preset, quant), by_tokens in _cells(name).items():
         tokens = sorted(by_tokens)
         problem = load_preset(preset).problem(quant=quant, max_tokens=tokens[-1])
         result = plan(problem, Platform.preset("h100"), Policy(buckets=tuple(tokens)))
         for bucket in result.buckets:
-            times = by_tokens[bucket.high]
+            times = merged[(preset, quant)][bucket.high]
             assert bucket.chosen.pair.experts == min(times, key=times.get), (preset, quant, bucket.high, times)
             assert "measured-h100.yaml" in bucket.chosen.experts.basis
 
