@@ -83,6 +83,23 @@ def test_targets_take_our_best_backend_against_the_better_peer():
     assert table.split("\n")[7].endswith("| yes (match) |")
 
 
+def test_quantized_schemes_against_bf16_take_each_schemes_fastest_backend():
+    def rec(quant, experts, tokens, us):
+        return dataclasses.replace(_record(experts, tokens, us), quant=quant)
+
+    records = [rec("bf16", "triton", 1, 36.4), rec("bf16", "flashinfer_cutlass", 1, 50.6),
+               rec("fp8_block", "triton", 1, 40.1),
+               rec("bf16", "triton", 1024, 506.0), rec("fp8_block", "triton", 1024, 353.6),
+               rec("fp8_block", "flashinfer_cutlass", 1024, 400.0),
+               rec("fp8_block", "triton", 4096, 857.6)]  # no bf16 at 4096: no row
+    table = bench_report.format_against_bf16(records)
+    assert "### qwen3-30b-a3b: fp8_block against bf16" in table
+    assert "| 1 | 40.1 (triton) | 36.4 (triton) | 0.91x | yes |" in table
+    assert "| 1024 | 353.6 (triton) | 506.0 (triton) | 1.43x | no |" in table
+    assert "| 4096 |" not in table
+    assert bench_report.format_against_bf16([rec("bf16", "triton", 1, 36.4)]) == ""  # nothing to compare
+
+
 def test_json_and_profile_files(tmp_path):
     ceilings = bench_report.Ceilings("NVIDIA H200", 4.2e12, 7.7e14, 1.5e15)
     records = [_record("triton", 1, 30.0, 35.8)]

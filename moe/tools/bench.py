@@ -16,7 +16,9 @@ measured profile point are one quantity (the oracle's at the preset's rates and 
 ``--json`` writes every record; ``--save-profile`` writes the per-backend profile the oracle reads
 (``moe.tools.bench_report.save_profile``); ``--plot`` draws microseconds and %-roofline against M per
 backend. Where a targets file is given or the checkout has ``benchmarks/peer_targets.yaml``, a
-peer's times are compared too (``moe.tools.bench_report.load_targets``).
+peer's times are compared too (``moe.tools.bench_report.load_targets``). When a run times bf16 and a
+quantized scheme (``--quant bf16,fp8_block``), a last table sets each quantized cell's fastest backend
+against bf16's (``moe.tools.bench_report.format_against_bf16``): where the scheme is slower than bf16.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ from moe.presets import load_preset, preset_names
 from moe.quant.scheme import SCHEME_NAMES
 from moe.registry import experts_classes, get_experts
 from moe.synthetic import random_dense
-from moe.tools.bench_report import (Ceilings, Record, Targets, format_table, format_targets, load_targets, plot,
-                                    save_profile, write_json)
+from moe.tools.bench_report import (Ceilings, Record, Targets, format_against_bf16, format_table, format_targets,
+                                    load_targets, plot, save_profile, write_json)
 from moe.tools.cli_args import comma_separated, int_at_least, one_of
 from moe.weights import ExpertWeights
 from moe.workspace import WorkspaceManager
@@ -271,6 +273,9 @@ def bench_command(args: argparse.Namespace) -> int:
     if goal:
         print(f"\n## Against {peer} and the baselines ({', '.join(targets.baselines) or 'none'}); "
               "ours: the best backend that is not a baseline" + goal)
+    against_bf16 = format_against_bf16(records)
+    if against_bf16:
+        print("\n## Quantized schemes against bf16 (the fastest backend of each, same run)" + against_bf16)
     if args.json:
         write_json(args.json, ceilings, records, args.machine or ceilings.device)
     if args.save_profile:

@@ -140,6 +140,30 @@ def format_targets(records: list[Record], ceilings: Ceilings, targets: Targets) 
     return "\n".join(lines)
 
 
+def format_against_bf16(records: list[Record]) -> str:
+    """Each quantized scheme against bf16 where one run timed both for a preset and M: the fastest
+    backend of each, and the speed-up (bf16 us / the scheme's us). A quantized layer moves fewer bytes
+    (and, W8A8, runs faster tensor cores), so a speed-up below 1 marks a cell to fix."""
+    fastest = {}
+    for r in records:
+        key = (r.preset, r.quant, r.tokens)
+        if key not in fastest or r.us < fastest[key].us:
+            fastest[key] = r
+    lines = []
+    for preset, quant in sorted({(p, q) for p, q, _ in fastest if q != "bf16"}):
+        cells = sorted(m for p, q, m in fastest if (p, q) == (preset, quant) and (p, "bf16", m) in fastest)
+        if not cells:
+            continue
+        lines += ["", f"### {preset}: {quant} against bf16", "",
+                  f"| M | {quant} us (backend) | bf16 us (backend) | bf16 / {quant} | slower than bf16 |",
+                  "|---|---|---|---|---|"]
+        for m in cells:
+            q, b = fastest[(preset, quant, m)], fastest[(preset, "bf16", m)]
+            lines.append(f"| {m} | {q.us:.1f} ({q.experts}) | {b.us:.1f} ({b.experts}) | {b.us / q.us:.2f}x | "
+                         f"{'yes' if q.us > b.us else 'no'} |")
+    return "\n".join(lines)
+
+
 def write_json(path: str | Path, ceilings: Ceilings, records: list[Record], machine: str) -> None:
     data = {"machine": machine, "ceilings": asdict(ceilings), "records": [asdict(r) for r in records]}
     Path(path).write_text(json.dumps(data, indent=1) + "\n")
