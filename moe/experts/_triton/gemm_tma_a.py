@@ -25,8 +25,7 @@ from moe.experts._triton import cdiv
 from moe.experts._triton.align import BlockLayout, experts_pad, padded_rows
 from moe.experts._triton.config import BLOCK_MS, LaunchConfig, TileConfig
 from moe.experts._triton.gemm import ACTIVATION_CODES, Launch, SortedRows, grouped_gemm
-from moe.experts._triton.weights import WeightOperand
-from moe.quant import QuantFormat
+from moe.experts._triton.weights import WeightOperand, check_tma_a_weights
 
 _GATHER_BLOCK_K = 256  # columns per gather program
 _MODULE = "gemm_tma_a"  # the `kernels` module of this file's kernels
@@ -58,10 +57,7 @@ def gather_sorted_rows(src: torch.Tensor, layout: BlockLayout, a_row_div: int, d
 
 
 def _check_operands(a_sorted: torch.Tensor, w: WeightOperand) -> None:
-    if w.fmt is not QuantFormat.NONE or w.data.dtype != a_sorted.dtype:
-        raise MoEConfigError(f"tma_a=True tiles need dense weights in the activations' dtype (got {w.fmt.value} "
-                             f"{w.data.dtype} weights, {a_sorted.dtype} activations); use tma_a=False for this "
-                             f"scheme")
+    check_tma_a_weights(w, a_sorted.dtype)
     if a_sorted.stride(1) != 1 or (a_sorted.shape[1] * a_sorted.element_size()) % 16:
         raise MoEConfigError(f"tma_a=True tiles load A rows by TMA: they must be contiguous 16-byte multiples "
                              f"(got K = {a_sorted.shape[1]} in {a_sorted.dtype}); use tma_a=False for this shape")

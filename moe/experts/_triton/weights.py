@@ -120,6 +120,14 @@ def to_operand(q, bias: torch.Tensor | None, weight_only: bool = False) -> Weigh
     return WeightOperand(data.contiguous(), scale, bias, q.fmt, global_scale)
 
 
+def check_tma_a_weights(w: WeightOperand, a_dtype: torch.dtype) -> None:
+    """``tma_a=True`` tiles (gemm_tma_a.py) need dense weights in the activations' dtype: checked at load
+    for a table's tiles and again at launch, where the activations are known."""
+    if w.fmt is not QuantFormat.NONE or w.data.dtype != a_dtype:
+        raise MoEConfigError(f"tma_a=True tiles need dense weights in the activations' dtype (got {w.fmt.value} "
+                             f"{w.data.dtype} weights, {a_dtype} activations); use tma_a=False for this scheme")
+
+
 def prepare_triton_weights(
     weights: ExpertWeights, expert_map: list[int] | None, configs: ConfigTable, *, weight_only: bool = False,
 ) -> TritonWeights:
@@ -132,9 +140,8 @@ def prepare_triton_weights(
         for operand, tile in ((w13, config.gemm1), (w2, config.gemm2)):
             if tile.tma:
                 operand.descriptor(tile.block_n, tile.block_k)
-            if tile.tma_a and operand.fmt is not QuantFormat.NONE:
-                raise MoEConfigError(f"tma_a=True tiles need dense weights (got {operand.fmt.value}); use "
-                                     f"tma_a=False for this scheme")
+            if tile.tma_a:
+                check_tma_a_weights(operand, operand.data.dtype)
     small = all(mxfp4_scales_small(operand) for operand in (w13, w2))
     return TritonWeights(w13=w13, w2=w2, expert_map=map_tensor, configs=configs, weight_only=weight_only,
                          small_scales=small)
