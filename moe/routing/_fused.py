@@ -91,9 +91,12 @@ def route_kernel(
     ids = tl.zeros([BLOCK_M, BLOCK_K], tl.int32)
     weights = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     for j in tl.static_range(K):
-        _, best = _best(choice, valid, cols, BLOCK_E)
+        top, best = _best(choice, valid, cols, BLOCK_E)
         hit = cols[None, :] == best[:, None]
-        weight = sum_(tl.where(hit, scores, 0.0), 1)
+        if HAS_BIAS:  # chosen on scores + bias, weighted by the score: one more pass to pick it out
+            weight = sum_(tl.where(hit, scores, 0.0), 1)
+        else:  # chosen on the weights themselves: the best value is the weight
+            weight = top
         ids = tl.where(kcols[None, :] == j, best[:, None], ids)
         weights = tl.where(kcols[None, :] == j, weight[:, None], weights)
         valid = valid & ~hit
