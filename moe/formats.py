@@ -82,7 +82,10 @@ class Dispatched:
 
 @dataclass(frozen=True)
 class ExpertsOutput:
-    """What the experts return; ``out`` is a view into their workspace (finalize copies out of it)."""
+    """What the experts return; ``out`` is a view into their workspace (finalize copies out of it), or,
+    ``owned``, the fresh ``[M, H]`` tensor the kernel handed them as their ``"out"`` buffer (finalize may
+    return it as it is: `moe.kernel.ModularKernel` decides, never the experts)."""
 
     kind: OutputKind
     out: torch.Tensor  # REDUCED [M', H]; PER_SLOT* standard [M', k, H], batched [E_local, T, H]
+    owned: bool = False

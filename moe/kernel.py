@@ -15,6 +15,7 @@ bucket (``load``), so a forward only looks its bucket's views up.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from typing import Any, Sequence
 
 import torch
@@ -23,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 from moe.compose import activation_quant, composition_problems
 from moe.errors import MoEConfigError
 from moe.experts.base import Experts
-from moe.formats import ActivationFormat, OutputKind
+from moe.formats import ActivationFormat, ExpertsOutput, OutputKind
 from moe.platform import Platform
 from moe.prepare_finalize.base import PrepareFinalize
 from moe.problem import MoEProblem
@@ -179,7 +180,8 @@ class ModularKernel:
         self._check_topk(hidden, topk, validate)
         space = self._sections(hidden.shape[0])
         dispatched, route = self.prepare_finalize.prepare(hidden, topk, self.quantize_to, space[_PREPARE])
-        output = self.experts.apply(dispatched, self._prepared, space[_EXPERTS])
+        experts_space, fresh = self._experts_space(space[_EXPERTS], hidden)
+        output = _owned(self.experts.apply(dispatched, self._prepared, experts_space), fresh)
         return self.prepare_finalize.finalize(output, dispatched, route, topk, join(shared_output))
 
     __call__ = forward
@@ -204,15 +206,37 @@ class ModularKernel:
                 f"router_logits must be [M, num_experts] = [{hidden.shape[0]}, {self.problem.num_experts}] "
                 f"(got {list(router_logits.shape)})"
             )
-        space = self._sections(hidden.shape[0])
-        output = self.experts.apply_router_logits(hidden, router_logits, router, self._prepared, space[_EXPERTS])
-        return self.prepare_finalize.finalize_reduced(output.out, join(shared_output))
+        experts_space, fresh = self._experts_space(self._sections(hidden.shape[0])[_EXPERTS], hidden)
+        output = _owned(self.experts.apply_router_logits(hidden, router_logits, router, self._prepared, experts_space),
+                        fresh)
+        return self.prepare_finalize.finalize_reduced(output.out, join(shared_output), owned=output.owned)
+
+    def _experts_space(self, space: Workspace, hidden: torch.Tensor) -> tuple[Workspace, torch.Tensor | None]:
+        """The experts' workspace for ``hidden [M, H]``: where finalize returns an owned output and the
+        experts reduce into an ``"out"`` of ``[>= M, H]`` in the layer's dtype, that buffer is replaced
+        by a fresh ``[M, H]`` tensor (also returned) -- the experts write the forward's result directly."""
+        p = self.problem
+        out = space.get("out")
+        if (not self.prepare_finalize.returns_owned_output or self.experts.capabilities.output is not OutputKind.REDUCED
+                or out is None or out.dtype != p.dtype or out.dim() != 2 or out.shape[1] != p.hidden_size
+                or out.shape[0] < hidden.shape[0]):
+            return space, None
+        fresh = torch.empty((hidden.shape[0], p.hidden_size), dtype=p.dtype, device=out.device)
+        return space.replacing(out=fresh), fresh
 
     def _check_hidden(self, hidden: torch.Tensor, shared_output: torch.Tensor | PendingShared | None) -> None:
         check_hidden(self.problem, self.workspace.device, hidden, pending_tensor(shared_output))
 
     def _check_topk(self, hidden: torch.Tensor, topk: TopK, validate: bool) -> None:
         check_topk(self.problem, hidden, topk, validate=validate)
+
+
+def _owned(output: ExpertsOutput, fresh: torch.Tensor | None) -> ExpertsOutput:
+    """``output``, marked owned when it is exactly the ``fresh`` tensor the experts were handed."""
+    if (fresh is not None and output.kind is OutputKind.REDUCED and output.out.data_ptr() == fresh.data_ptr()
+            and output.out.shape == fresh.shape and output.out.is_contiguous()):
+        return dataclasses.replace(output, owned=True)
+    return output
 
 
 def check_topk(problem: MoEProblem, hidden: torch.Tensor, topk: TopK, *, validate: bool, name: str = "topk.ids") -> None:

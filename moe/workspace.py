@@ -108,6 +108,12 @@ class Workspace(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._views)
 
+    def replacing(self, **views: torch.Tensor) -> "Workspace":
+        """This workspace with the named buffers replaced by ``views`` (each already declared)."""
+        for name in views:
+            self[name]  # noqa: B018 (raises, naming the declared buffers, for an unknown name)
+        return Workspace({**self._views, **views})
+
 
 class WorkspaceManager:
     """Owns one byte buffer per device; grows until ``lock()``, then only hands out views.

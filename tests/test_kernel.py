@@ -346,3 +346,74 @@ def test_kernels_sharing_a_manager_take_their_views_again_when_it_grows():
     view = small._sections(3)["experts"]["out"]
     assert view.untyped_storage().data_ptr() == manager._buffer.untyped_storage().data_ptr()
     assert manager.reserved_bytes == grown
+
+
+# --- the experts write the forward's result: no copy in finalize ------------------------------------
+
+
+def _triton_kernel_fp32():
+    pytest.importorskip("triton")
+    from moe.experts.triton import TritonExperts
+
+    p = make_problem(dtype=torch.float32, quant="fp32", max_tokens=16)
+    kernel = ModularKernel(LocalPrepareFinalize(p), TritonExperts(p))
+    kernel.load(random_weights(p))
+    return p, kernel
+
+
+def test_reduced_experts_write_a_fresh_result_that_finalize_returns(monkeypatch):
+    """One rank, experts reducing into their ``"out"`` in the layer's dtype: the kernel hands them a fresh
+    ``[M, H]`` tensor, finalize returns it (owned, no copy), and it lies outside the workspace, so a later
+    forward cannot overwrite an earlier result."""
+    p, kernel = _triton_kernel_fp32()
+    seen = []
+    finalize_reduced = LocalPrepareFinalize.finalize_reduced
+
+    def spy(self, out, shared_output=None, *, owned=False):
+        result = finalize_reduced(self, out, shared_output, owned=owned)
+        seen.append((owned, result.data_ptr() == out.data_ptr()))
+        return result
+
+    monkeypatch.setattr(LocalPrepareFinalize, "finalize_reduced", spy)
+    hidden, topk = random_inputs(p, 5)
+    first = kernel.forward(hidden, topk)
+    want = first.clone()
+    kernel.forward(torch.randn_like(hidden), topk)
+    assert seen == [(True, True), (True, True)]
+    torch.testing.assert_close(first, want, rtol=0, atol=0)
+    start, size = kernel.workspace._buffer.data_ptr(), kernel.workspace.reserved_bytes
+    assert not start <= first.data_ptr() < start + size
+    shared = torch.randn(5, p.hidden_size)
+    torch.testing.assert_close(kernel.forward(hidden, topk, shared_output=shared), want + shared)
+
+
+def test_an_output_other_than_the_fresh_tensor_is_copied():
+    """`_owned` marks only the very tensor handed out; anything else goes through finalize's copy."""
+    from moe.kernel import _owned
+
+    fresh = torch.zeros(3, 4)
+    assert _owned(ExpertsOutput(OutputKind.REDUCED, fresh), fresh).owned
+    assert not _owned(ExpertsOutput(OutputKind.REDUCED, fresh.clone()), fresh).owned
+    assert not _owned(ExpertsOutput(OutputKind.REDUCED, fresh[:2]), fresh).owned
+    assert not _owned(ExpertsOutput(OutputKind.REDUCED, fresh), None).owned
+    per_slot = torch.zeros(3, 2, 4)
+    assert not _owned(ExpertsOutput(OutputKind.PER_SLOT_WEIGHTED, per_slot), fresh).owned
+
+
+def test_experts_reducing_elsewhere_keep_their_workspace():
+    """Experts whose output is per slot, or in float32 for a bf16 layer, get their declared buffers."""
+    p = make_problem(dtype=torch.float32, quant="fp32")
+    kernel = ModularKernel(LocalPrepareFinalize(p), ReferenceExperts(p))  # per-slot output
+    kernel.load(random_weights(p))
+    hidden, topk = random_inputs(p, 4)
+    space = kernel._sections(4)["experts"]
+    assert kernel._experts_space(space, hidden) == (space, None)
+
+
+def test_workspace_replacing_names_the_declared_buffers():
+    from moe.workspace import Workspace
+
+    space = Workspace({"out": torch.zeros(2)})
+    assert space.replacing(out=torch.ones(2))["out"].sum() == 2 and space["out"].sum() == 0
+    with pytest.raises(KeyError, match=r"no buffer 'inter'; declared: \['out'\]"):
+        space.replacing(inter=torch.ones(2))

@@ -83,6 +83,9 @@ class PrepareFinalize(ABC, Generic[R]):
     format: ClassVar[ActivationFormat]  # transport.format
     quant_formats: ClassVar[frozenset[QuantFormat]]  # transport.quant_formats
     implemented: ClassVar[bool]  # transport.implemented
+    # finalize returns an owned REDUCED output itself (`ExpertsOutput.owned`): then the kernel hands the
+    # experts a fresh "out" to write, and the forward saves finalize's copy (one launch at decode)
+    returns_owned_output: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)
@@ -176,15 +179,19 @@ class PrepareFinalize(ABC, Generic[R]):
         (The routed scaling factor needs no hook here: the Router folds it into ``topk.weights``,
         which every backend applies, so it reaches biases too.)"""
 
-    def finalize_reduced(self, out: torch.Tensor, shared_output: torch.Tensor | None = None) -> torch.Tensor:
-        """Finalize for experts that routed the tokens in their own kernel (no prepare ran) and reduced
-        over k: ``out [M, H]`` is already this rank's result, so it is copied out in the layer's dtype,
-        plus ``shared_output``. One rank only: over several ranks the tokens must travel home."""
+    def finalize_reduced(self, out: torch.Tensor, shared_output: torch.Tensor | None = None, *,
+                         owned: bool = False) -> torch.Tensor:
+        """Finalize for experts that reduced over k: ``out [M, H]`` is already this rank's result, so it
+        is copied out in the layer's dtype, plus ``shared_output``. ``owned`` (a fresh tensor in the
+        layer's dtype that no workspace holds, see `ExpertsOutput`): returned itself, the shared experts'
+        output added in place -- no copy. One rank only: over several ranks the tokens must travel home."""
         if self.problem.parallel.ep_size > 1:
             raise MoEConfigError(
                 f"{self.name}: finalize_reduced serves one rank, not ep_size={self.problem.parallel.ep_size}: "
                 "the tokens must travel home, so route with a Router and call prepare/finalize"
             )
+        if owned and out.dtype == self.problem.dtype:
+            return add_shared(out, shared_output)
         if shared_output is None:
             return out.to(self.problem.dtype, copy=True)
         return torch.add(out, shared_output).to(self.problem.dtype)  # one pass when out is already in dtype

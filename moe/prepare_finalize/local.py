@@ -17,6 +17,7 @@ from moe.workspace import Workspace
 class LocalPrepareFinalize(PrepareFinalize[None]):
     name = "local"
     transport = Transport(ActivationFormat.STANDARD, QUANTIZABLE, ranks=frozenset({Ranks.ONE}))
+    returns_owned_output = True
 
     def dispatch_shape(self, num_tokens: int) -> DispatchShape:
         return DispatchShape(ActivationFormat.STANDARD, num_tokens)
@@ -31,5 +32,5 @@ class LocalPrepareFinalize(PrepareFinalize[None]):
         shared_output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if output.kind is OutputKind.REDUCED:
-            return self.finalize_reduced(output.out, shared_output)
+            return self.finalize_reduced(output.out, shared_output, owned=output.owned)
         return add_shared(sum_over_k(output.out, topk.weights, output.kind), shared_output).to(self.problem.dtype)
