@@ -51,6 +51,8 @@ MACHINES = {
         "fp8_block_nvidia-h100.json": ("records", None),
         "fp8_block_qwen3_tuned_nvidia-h100.json": ("records", None),  # after the H100 fp8_block table (Qwen3)
         "bf16_tma_a_tables_nvidia-h100.json": ("records", None),  # after the H100 bf16 tables (Mixtral, DeepSeek)
+        # session 7: H100 tables for GPT-OSS bf16 / fp8_block and the DeepSeek slice's fp8_block
+        "bf16_fp8_block_gpt-oss_deepseek_tuned_nvidia-h100.json": ("records", None),
     }, "measured on nvidia-h100 (2026-11-25) by python -m moe bench --json"),
 }
 
