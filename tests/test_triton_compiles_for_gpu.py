@@ -230,3 +230,12 @@ def test_every_launch_compiles_for_the_gpu(compiled):
     assert not failures, f"{len(failures)} of {len(compiled)} launches do not compile:\n" + "\n".join(failures)
     assert {(job.arch, job.full) for job in compiled} == {(90, True), (90, False), (80, True), (80, False)}
     assert any("*bf16" in dict(job.record.signature).values() for job in compiled)  # the bfloat16 twins
+
+
+def test_the_packed_nvfp4_decode_compiles_for_both_archs(compiled):
+    """NVFP4's bf16x2 PTX path (ASM, switched on in the bfloat16 twins) is among the full compiles, sm90 and sm80."""
+    nvfp4 = QUANT_CODES[QuantFormat.NVFP4]
+    archs = {job.arch for job, error in compiled.items()
+             if job.full and error is None and job.record.name == "moe.experts._triton._decode.decode_gemm_kernel"
+             and dict(job.record.constexprs).get("ASM") is True and dict(job.record.constexprs)["SCALES"] == nvfp4}
+    assert archs == {80, 90}

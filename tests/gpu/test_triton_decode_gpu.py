@@ -1,16 +1,22 @@
-"""The MXFP4 W4A16 decode path (`_triton/decode.py`) on a CUDA GPU, bfloat16: GPT-OSS-120B's real
+"""The fp4 decode path (`_triton/decode.py`) on a CUDA GPU, bfloat16. MXFP4: GPT-OSS-120B's real
 shape at M = 1, 16, 64 against the reference experts, both dequantizations (packed bf16x2 PTX and
-float32 math) and both program kinds, CUDA-graph replay bit-equal to eager, no host sync."""
+float32 math) and both program kinds, CUDA-graph replay bit-equal to eager, no host sync. NVFP4
+(weight-only): Qwen3- and GPT-OSS-like shapes at M = 1, 3, 16 with block scales over e4m3's whole range,
+the PTX against the float32 math bit for bit and against the weight-only reference, graph replay."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
 from moe.experts._triton import decode
-from moe.experts._triton.decode import DecodeConfig, DecodeTile
+from moe.experts._triton.decode import DecodeConfig, DecodeTile, packed_dequantization
+from moe.experts.reference import WeightOnlyReferenceExperts
 from moe.formats import ActivationFormat, Dispatched
-from moe.quant import QuantizedTensor
+from moe.quant import QuantFormat, QuantizedTensor
+from moe.weights import ExpertWeights
 from tests.gpu.test_triton_gpu import (assert_replay_equals_eager_without_sync, problem, reference, run,
                                       topk_for, weights_for)
 from moe.experts.triton import TritonExperts
@@ -68,4 +74,77 @@ def test_decode_cuda_graph_replay_equals_eager(tokens):
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(weights_for(p))
     assert decode.uses_decode(prepared, p.quant.activation, tokens * p.top_k)
+    assert_replay_equals_eager_without_sync(experts, prepared, p, tokens)
+
+
+# --- NVFP4 (e2m1, e4m3 scale per 16, fp32 global scale per expert), weight-only ---------------------
+
+
+def nvfp4_problem(shape, tokens):
+    if shape == "qwen3":
+        return problem("nvfp4", "silu", E=128, k=8, H=2048, I=768, max_tokens=tokens)
+    return problem("nvfp4", "swiglu_oai", E=128, k=4, H=2880, I=2880, bias=True, max_tokens=tokens)
+
+
+def _spread_over_blocks(w):
+    """``w`` with each block of 16 along K times 2**u, u uniform in [-20, 0]: after NVFP4 quantization the
+    block scales run from 448 (the largest block) through e4m3's subnormals to 0."""
+    factors = torch.exp2(-20 * torch.rand(*w.shape[:-1], w.shape[-1] // 16, 1, device=w.device))
+    return (w.unflatten(-1, (-1, 16)) * factors).flatten(-2)
+
+
+def nvfp4_weights(p):
+    e, r, h, i = p.local_num_experts, p.w13_rows, p.hidden_size, p.intermediate_size
+    spread = torch.linspace(0.25, 4.0, e, device="cuda").view(e, 1, 1)  # a global scale per expert
+    w13 = _spread_over_blocks(torch.randn(e, r, h, device="cuda") / h**0.5) * spread
+    w2 = _spread_over_blocks(torch.randn(e, h, i, device="cuda") / i**0.5) / spread
+    b13 = 0.1 * torch.randn(e, r, device="cuda") if p.has_bias else None
+    b2 = 0.1 * torch.randn(e, h, device="cuda") if p.has_bias else None
+    weights = ExpertWeights.from_dense(w13, w2, b13, b2, quant=p.quant, dtype=p.dtype)
+    for q in (weights.w13, weights.w2):  # the premise: scales at e4m3's top, its subnormals and 0
+        codes = q.scale.view(torch.uint8) & 0x7F
+        assert (codes == 0x7E).any() and ((codes > 0) & (codes < 8)).any() and (codes == 0).any()
+    return weights
+
+
+def run_nvfp4(p, tokens, tiles, monkeypatch, d=None, weights=None):
+    """(output, dispatched, weights, the ``asm`` flag of each GEMM launch) of the decode path."""
+    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m: DecodeConfig(*tiles))
+    launches = []
+    real = decode._gemm
+    monkeypatch.setattr(decode, "_gemm", lambda *a: launches.append(a[-1]) or real(*a))
+    weights = nvfp4_weights(p) if weights is None else weights
+    experts = TritonExperts(p)
+    prepared = experts.prepare_weights(weights)
+    d = dispatched_for(p, tokens) if d is None else d
+    assert prepared.weight_only and packed_dequantization(prepared, d.x.data)
+    return run(experts, d, prepared).clone(), d, weights, launches
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+@pytest.mark.parametrize("shape", ["qwen3", "gpt_oss"])
+@pytest.mark.parametrize("tiles", [(FMA, DOT), (DOT, FMA)], ids=["fma", "dot"])
+def test_nvfp4_packed_decode_matches_reference_and_float32_math(shape, tokens, tiles, monkeypatch):
+    """The PTX path (scales biased by 2**118, the rest in the global scale) equals the float32 path bit
+    for bit -- the same bf16 weights up to a power of two -- and the weight-only reference."""
+    p = nvfp4_problem(shape, tokens)
+    out, d, weights, launches = run_nvfp4(p, tokens, tiles, monkeypatch)
+    assert launches == [True, True]
+    exact_tiles = tuple(replace(t, asm=False) for t in tiles)
+    f32, _, _, launches = run_nvfp4(p, tokens, exact_tiles, monkeypatch, d, weights)
+    assert launches == [False, False]
+    assert torch.equal(out, f32)
+    truth = WeightOnlyReferenceExperts(p)
+    ref = run(truth, d, truth.prepare_weights(weights))
+    ref = (ref * d.topk.weights.unsqueeze(-1)).sum(1)
+    assert ref.abs().max() > 0
+    assert_close_moe(out.float(), ref.float(), "bf16", context=f"nvfp4 {shape} decode M={tokens}")
+
+
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_nvfp4_decode_cuda_graph_replay_equals_eager(tokens):
+    p = nvfp4_problem("gpt_oss", tokens)
+    experts = TritonExperts(p)
+    prepared = experts.prepare_weights(nvfp4_weights(p))
+    assert decode.uses_decode(prepared, QuantFormat.NONE, tokens * p.top_k)
     assert_replay_equals_eager_without_sync(experts, prepared, p, tokens)

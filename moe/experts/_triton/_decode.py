@@ -18,15 +18,19 @@ The weight format lives in `_weight_half_tiles` and its scale decoders: NVFP4 pl
 import triton
 import triton.language as tl
 
-from moe.experts._triton._gemm import _NVFP4, _activate, _dot, _fp4_half_tiles, _fp4_load, _fp4_scale_words
+from moe.experts._triton._gemm import (_NVFP4, _activate, _dot, _e4m3_scaled, _fp4_half_tiles, _fp4_load,
+                                      _fp4_scale_words)
 from moe.experts._triton._lang import cdiv_, cumsum_, sum_
 
 # e2m1 codes of 4 bytes -> 8 bfloat16 values times the scale, 2 per register. The code's magnitude
 # bits go to bf16 bits 6..8 (exponent 7..8, top mantissa bit 6) and its sign to bit 15: that bf16
-# is the e2m1 value times 2**-126 (code 1 a subnormal), which the fma by 2**(e - 1) turns into the
-# value times 2**(e - 127). prmt first puts byte 0 in the low and byte 1 in the high half (then
-# bytes 2 and 3): bits 8..11 hold the low nibble, 12..15 the high nibble of each half's byte.
-_E2M1_BF16X2 = tl.constexpr("""
+# is the e2m1 value times 2**-126 (code 1 a subnormal), which the fma by a scale biased by 2**126
+# turns into the value times the scale. prmt first puts byte 0 in the low and byte 1 in the high half
+# (then bytes 2 and 3): bits 8..11 hold the low nibble, 12..15 the high nibble of each half's byte.
+# Scale lane i covers byte i: its low nibbles take lanes $5/$6 (bytes 0-1 / 2-3), its high nibbles
+# HI0/HI1 -- the same registers for MXFP4 (one scale per 32), $7/$8 for NVFP4 (a scale per 16: the
+# high nibbles, elements j + 16, are the group's second block).
+_E2M1_PTX = """
 {
 .reg .b32 t<2>, s, m, zero, negz;
 mov.b32 zero, 0;
@@ -49,14 +53,24 @@ shr.b32 m, t0, 6;
 and.b32 s, t0, 0x80008000;
 and.b32 m, m, 0x01C001C0;
 or.b32 s, s, m;
-fma.rn.bf16x2 $2, s, $5, negz;
+fma.rn.bf16x2 $2, s, HI0, negz;
 shr.b32 m, t1, 6;
 and.b32 s, t1, 0x80008000;
 and.b32 m, m, 0x01C001C0;
 or.b32 s, s, m;
-fma.rn.bf16x2 $3, s, $6, negz;
+fma.rn.bf16x2 $3, s, HI1, negz;
 }
-""")
+"""
+_E2M1_BF16X2 = tl.constexpr(_E2M1_PTX.replace("HI0", "$5").replace("HI1", "$6"))
+_E2M1_BF16X2_SPLIT = tl.constexpr(_E2M1_PTX.replace("HI0", "$7").replace("HI1", "$8"))
+
+# NVFP4's e4m3 scales reach the PTX as scale * 2**NVFP4_SCALE_BIAS: normal and finite in bf16 for every
+# code (2**-9 .. 448 -> 2**109 .. < 2**127), and the products with the e2m1 values times 2**-126 are
+# normal and exact (value * scale * 2**-8: 2**-18 .. 10.5, at most 2 + 4 significant bits of bf16's 8).
+# The rest of the 2**126, NVFP4_ASM_UNBIAS, goes into the global scale after the K sum (tests/test_nvfp4_asm.py).
+NVFP4_SCALE_BIAS = 118
+_E4M3_SCALED_TO_BIASED = tl.constexpr(2.0 ** (NVFP4_SCALE_BIAS + 8))  # `_e4m3_scaled` gives scale * 2**-8
+NVFP4_ASM_UNBIAS = tl.constexpr(2.0 ** (126 - NVFP4_SCALE_BIAS))
 
 
 @triton.jit
@@ -67,19 +81,43 @@ def _e8m0_bf16_biased(scale_bytes):
 
 
 @triton.jit
+def _e4m3_bf16_biased(scale_bytes):
+    """The e4m3 scale times 2**NVFP4_SCALE_BIAS as bfloat16, exact for every byte (0x7F/0xFF read as
+    480, as `_e4m3_scaled` reads them); the e2m1 products then lack a factor NVFP4_ASM_UNBIAS."""
+    return (_e4m3_scaled(scale_bytes, tl.float32) * _E4M3_SCALED_TO_BIASED).to(tl.bfloat16)
+
+
+@triton.jit
+def _e2m1_bf16x2(packed, words, shifts, SCALES: tl.constexpr):
+    """The packed bf16x2 PTX on a K step's bytes and scale words: (low, high) nibbles' bf16 values,
+    exact; NVFP4's lack the factor NVFP4_ASM_UNBIAS (the caller's global scale supplies it)."""
+    if SCALES == _NVFP4:  # the low nibbles (elements j) take the group's first scale, the high ones its second
+        scale_low = _e4m3_bf16_biased((words >> shifts) & 255)
+        scale_high = _e4m3_bf16_biased((words >> (shifts + 8)) & 255)
+        low, high = tl.inline_asm_elementwise(_E2M1_BF16X2_SPLIT, "=r,=r,=r,=r,r,r,r,r,r",
+                                              [packed, scale_low, scale_high],
+                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        scale = _e8m0_bf16_biased((words >> shifts) & 255)
+        low, high = tl.inline_asm_elementwise(_E2M1_BF16X2, "=r,=r,=r,=r,r,r,r", [packed, scale],
+                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return low, high
+
+
+@triton.jit
 def _weight_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, SCALES: tl.constexpr, dtype: tl.constexpr,
                        EVEN_K: tl.constexpr, ASM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """One K step of fp4 weights dequantized: the ``[BLOCK_K/2, BLOCK_N]`` half-tiles of the low
     and high nibbles (weights.py's half-split layout; pointers as in `_gemm._fp4_half_tiles`).
-    ``SCALES``: MXFP4 or NVFP4 (`_gemm`'s codes). ``ASM``: packed bf16x2 PTX (4 bytes per call, MXFP4 in
-    bfloat16 only); else `_gemm`'s exact float32 math."""
+    ``SCALES``: MXFP4 or NVFP4 (`_gemm`'s codes). ``ASM``: packed bf16x2 PTX (4 bytes per call, bfloat16
+    only; MXFP4 with scales <= 2; NVFP4 any scale, its values times 2**-8 = 1 / NVFP4_ASM_UNBIAS, which
+    the kernel's global-scale multiply undoes); else `_gemm`'s exact float32 math. Both give the same
+    bf16 weights up to that power of two."""
     if not ASM:
         low, high = _fp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, SCALES, dtype, EVEN_K, BLOCK_K, BLOCK_N)
     else:
         packed, words = _fp4_load(w_ptrs, s_ptrs, group_ok, EVEN_K)
-        scale = _e8m0_bf16_biased((words >> shifts) & 255)
-        low, high = tl.inline_asm_elementwise(_E2M1_BF16X2, "=r,=r,=r,=r,r,r,r", [packed, scale],
-                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        low, high = _e2m1_bf16x2(packed, words, shifts, SCALES)
         low = tl.reshape(low.to(dtype), (BLOCK_K // 2, BLOCK_N))
         high = tl.reshape(high.to(dtype), (BLOCK_K // 2, BLOCK_N))
     return low, high
@@ -214,6 +252,8 @@ def decode_gemm_kernel(
             acc, acc_up = sum_(acc, 1), sum_(acc_up, 1)
         if SCALES == _NVFP4:  # the expert's global scale factors out of the sum over K (and the splits)
             global_scale = tl.load(wg_ptr + expert)
+            if ASM:  # the rest of the PTX's bias (`_e4m3_bf16_biased`)
+                global_scale = global_scale * NVFP4_ASM_UNBIAS
             acc, acc_up = acc * global_scale, acc_up * global_scale
         mask = row_ok[:, None] & n_ok[None, :]
         if FUSED:  # one split: the whole sum is here; bias and activation, then the output

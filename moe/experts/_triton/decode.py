@@ -42,8 +42,8 @@ _EPILOGUE_BLOCK = 1024
 class DecodeTile:
     """One decode GEMM's program: ``block_m`` slots of one expert x ``block_n`` output columns x
     ``K / splits``. ``dot``: tensor cores (block_m >= 16) or float32 FMAs (few rows); ``asm``:
-    packed bf16x2 PTX dequantization (bfloat16 activations on a GPU, scales <= 2; else exact
-    float32 math)."""
+    packed bf16x2 PTX dequantization where `packed_dequantization` holds (bfloat16 activations on a
+    GPU; NVFP4 with any e4m3 scale, MXFP4 with scales <= 2), else exact float32 math."""
 
     block_n: int = 32
     block_k: int = 128
@@ -96,6 +96,15 @@ def workspace_buffers(num_slots: int, w13_rows: int, hidden: int) -> dict:
         "decode_part1": ((MAX_SPLITS, slots, w13_rows), torch.float32),
         "decode_part2": ((MAX_SPLITS, slots, hidden), torch.float32),
     }
+
+
+def packed_dequantization(weights: TritonWeights, x: torch.Tensor) -> bool:
+    """Whether the decode GEMMs may dequantize with the packed bf16x2 PTX (a tile's ``asm`` then decides):
+    bfloat16 activations on a GPU (the interpreter runs no PTX), and weights it is exact for -- NVFP4 with
+    every e4m3 scale (biased into bf16's range, `_decode.NVFP4_SCALE_BIAS`), MXFP4 with scales <= 2
+    (`TritonWeights.small_scales`)."""
+    exact = weights.w13.fmt is QuantFormat.NVFP4 or weights.small_scales
+    return exact and x.dtype == torch.bfloat16 and x.is_cuda
 
 
 def _activation_args(activation: Activation | None) -> tuple[float, float, float]:
@@ -163,7 +172,7 @@ def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     tokens, top_k = topk_ids.shape
     slots = tokens * top_k
     w13, w2 = weights.w13, weights.w2
-    asm = weights.small_scales and x.dtype == torch.bfloat16 and x.is_cuda
+    asm = packed_dequantization(weights, x)
     routing = _routing(topk_ids, weights, num_local, workspace)
     inter = workspace["inter"][:slots]
     part1 = workspace["decode_part1"][: config.gemm1.splits, :slots]

@@ -81,7 +81,7 @@ class TritonWeights:
     # weights in registers (support.activation_format decides per device); NVFP4 always
     weight_only: bool = False
     # MXFP4 with every e8m0 scale byte <= 128 (scales <= 2): the decode kernels' packed bf16
-    # dequantization (decode.py) is exact for them
+    # dequantization (decode.py) is exact for them (NVFP4 needs no such bound: `packed_dequantization`)
     small_scales: bool = False
 
 
