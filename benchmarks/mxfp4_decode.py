@@ -1,14 +1,16 @@
-"""MXFP4 W4A16 decode on a CUDA GPU: the decode kernels (`moe/experts/_triton/decode.py`) over a
+"""Weight-only fp4 decode on a CUDA GPU: the decode kernels (`moe/experts/_triton/decode.py`) over a
 sweep of launch configs, beside the Triton experts' grouped-GEMM path and FlashInfer CUTLASS.
 
     python benchmarks/mxfp4_decode.py [--out best.json] [--tokens 1,2,4,8,16,32,64] [--budget-s 200]
+    python benchmarks/mxfp4_decode.py --preset qwen3-30b-a3b --quant nvfp4 --tokens 1,4,16
 
-GPT-OSS-120B's shape (E=128, k=4, H=I=2880, swiglu_oai, biases), bf16 activations. Every call is
+A preset's shape (default GPT-OSS-120B: E=128, k=4, H=I=2880, swiglu_oai, biases) and scheme (mxfp4 or
+nvfp4), bf16 activations. Every call is
 timed inside a CUDA graph (median of many replays, rotating 4 routings). Per M: each candidate
 config's output is checked against the grouped-GEMM path's first (a wrong or failing config is
 listed, never picked); the best config is found coordinate-wise (both GEMMs on one tile, then
 GEMM2's tile alone). The roofline is the weight bytes of the experts hit (4.25 bits per weight)
-over the memory bandwidth (H100 3.0 TB/s, H200 4.2 TB/s). Prints a markdown table; writes the best
+over the memory bandwidth (H100 3.0 TB/s, H200 4.2 TB/s); bits per weight: BITS. Prints a markdown table; writes the best
 config per M (`DecodeConfig` fields) and every timing as JSON to --out or $OUT/mxfp4_decode.json.
 """
 
@@ -33,6 +35,7 @@ from moe.registry import get_experts  # noqa: E402
 from moe.tools.bench import backend_calls, build_weights, make_inputs, time_calls  # noqa: E402
 
 BANDWIDTH_TBS = {"H100": 3.0, "H200": 4.2}
+BITS = {"mxfp4": 4.25, "nvfp4": 4.5}  # the e2m1 code and its share of a block scale (8 bits per 32 or per 16)
 # (block_n, block_k, splits, num_warps, num_stages, asm)
 FMA_TILES = [(32, 128, 1, 4, 3, True), (32, 128, 2, 4, 3, True), (32, 128, 4, 4, 3, True), (32, 256, 2, 4, 3, True),
              (64, 128, 1, 4, 3, True), (64, 128, 2, 4, 3, True), (16, 256, 2, 4, 3, True), (64, 64, 4, 4, 4, True),
@@ -70,9 +73,9 @@ def bandwidth(device) -> float:
     return next((tbs for key, tbs in BANDWIDTH_TBS.items() if key in name), 3.0) * 1e12
 
 
-def roofline_us(problem, inputs, device) -> float:
+def roofline_us(problem, inputs, device, bits: float) -> float:
     hits = sum(t.ids.unique().numel() for _, t in inputs) / len(inputs)
-    per_expert = (problem.w13_rows + problem.hidden_size) * problem.intermediate_size * 4.25 / 8
+    per_expert = (problem.w13_rows + problem.hidden_size) * problem.intermediate_size * bits / 8
     return hits * per_expert / bandwidth(device) * 1e6
 
 
@@ -143,6 +146,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64")
     parser.add_argument("--out", default=None)
     parser.add_argument("--budget-s", type=float, default=200.0, help="stop sweeping configs after this")
+    parser.add_argument("--preset", default="gpt-oss-120b")
+    parser.add_argument("--quant", default="mxfp4", choices=sorted(BITS))
     parser.add_argument("--tiles", default=None, help="sweep only these tiles: n:k:splits:block_m:warps:stages,...")
     args = parser.parse_args(argv)
     import moe.experts.flashinfer_cutlass  # noqa: F401 -- registers the peer
@@ -150,17 +155,18 @@ def main(argv=None) -> int:
 
     device = torch.device("cuda")
     platform = Platform.detect()
-    preset = load_preset("gpt-oss-120b")
+    preset = load_preset(args.preset)
     tokens = [int(t) for t in args.tokens.split(",")]
-    problem = preset.problem(quant="mxfp4", max_tokens=max(tokens))
+    problem = preset.problem(quant=args.quant, max_tokens=max(tokens))
     weights = build_weights(problem, device)
     deadline = time.monotonic() + args.budget_s
-    rows, report = [], {"device": torch.cuda.get_device_name(device), "configs": {}, "timings": {}}
+    rows, report = [], {"device": torch.cuda.get_device_name(device), "preset": args.preset, "quant": args.quant,
+                        "configs": {}, "timings": {}}
     decode_config, uses_decode = triton_experts.decode_config, triton_experts.uses_decode
     for m in tokens:
         torch.manual_seed(m)
         inputs = make_inputs(preset, problem, m, 4, device)
-        roof = roofline_us(problem, inputs, device)
+        roof = roofline_us(problem, inputs, device, BITS[args.quant])
         triton_experts.uses_decode = lambda *a: False  # the grouped-GEMM path, as before this kernel
         grouped_calls = backend_calls(triton_experts.TritonExperts, problem, weights, inputs, device)
         want = grouped_calls[0]().out.clone()
