@@ -64,9 +64,14 @@ def test_packed_and_float32_dequantization_agree(monkeypatch):
     assert torch.equal(outs[0], outs[1])
 
 
+def qwen3(tokens):
+    return problem("fp8_block", "silu", E=128, k=8, H=2048, I=768, max_tokens=tokens)
+
+
 @pytest.mark.parametrize("tokens", [1, 64])
-def test_decode_cuda_graph_replay_equals_eager(tokens):
-    p = gpt_oss(tokens)
+@pytest.mark.parametrize("shape", [gpt_oss, qwen3], ids=["gpt-oss-mxfp4", "qwen3-fp8-block"])
+def test_decode_cuda_graph_replay_equals_eager(tokens, shape):
+    p = shape(tokens)
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(weights_for(p))
     assert decode.uses_decode(prepared, p.quant.activation, tokens * p.top_k)
@@ -77,10 +82,6 @@ def test_decode_cuda_graph_replay_equals_eager(tokens):
 
 FP8_FMA = DecodeTile(32, 64, 2, 4, dot=False, asm=False)
 FP8_DOT = DecodeTile(64, 128, 2, 16, dot=True, asm=False)
-
-
-def qwen3(tokens):
-    return problem("fp8_block", "silu", E=128, k=8, H=2048, I=768, max_tokens=tokens)
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 16, 64])
@@ -104,11 +105,3 @@ def test_qwen3_fp8_decode_matches_grouped_gemm_and_reference(tokens, tiles, monk
     assert_close_moe(out, grouped, "bf16", context=context + " vs grouped GEMM")
     assert_close_moe(out, reference(p, d.x.data, d.topk, weights), regime_for(p), context=context + " vs reference")
 
-
-@pytest.mark.parametrize("tokens", [1, 64])
-def test_qwen3_fp8_decode_cuda_graph_replay_equals_eager(tokens):
-    p = qwen3(tokens)
-    experts = TritonExperts(p)
-    prepared = experts.prepare_weights(weights_for(p))
-    assert decode.uses_decode(prepared, p.quant.activation, tokens * p.top_k)
-    assert_replay_equals_eager_without_sync(experts, prepared, p, tokens)
