@@ -1,9 +1,9 @@
-"""The fp8 128-block W8A8 decode path of the Triton experts (`_triton/decode.py`, K loop in
-`_triton/_decode_fp8.py`) in Triton's CPU interpreter: against the grouped-GEMM fp8_block path and the
-reference experts (one token, ragged token counts, experts hit 0, 1 or many times, an expert map, K not
-a multiple of 128, N tiles whose up rows straddle two weight-scale blocks, bias, gated and not, FMA and
-tensor-core programs, split-K), which path runs at which M, and that the in-loop activation quantization
-gives `quantize_fp8_rows`' codes and scales bit for bit."""
+"""The fp8 W8A8 decode path of the Triton experts (`_triton/decode.py`, K loop in `_triton/_decode_fp8.py`),
+128-block (fp8_block) and per-token (fp8_token), in Triton's CPU interpreter: against the grouped-GEMM path
+of the same scheme and the reference experts (one token, ragged token counts, experts hit 0, 1 or many
+times, an expert map, K not a multiple of 128, N tiles whose up rows straddle two weight-scale blocks,
+bias, gated and not, FMA and tensor-core programs, split-K), which path runs at which M, and that the
+in-loop activation quantization gives `quantize_fp8_rows`' codes and scales bit for bit."""
 
 import os
 import shutil
@@ -68,12 +68,12 @@ def check(p, num_tokens, config, monkeypatch, hot=False, dtype=torch.float16):
     assert_close_moe(out, ref, regime_for(p), context=context + " vs reference")
 
 
-def qwen_like(**kw):
+def qwen_like(quant="fp8_block", **kw):
     """Small (the interpreter runs every program): H = 160 (K of gemm1 = 128 + 32, a ragged group),
     I = 96 (gemm1's up rows 96..191 straddle the weight-scale blocks 0 and 1)."""
     args = dict(E=8, k=4, H=160, I=96, bias=True, max_tokens=64)
     args.update(kw)
-    return make_problem("fp8_block", "swiglu_oai", **args)
+    return make_problem(quant, "swiglu_oai", **args)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 33])
@@ -85,15 +85,23 @@ def test_fp8_decode_matches_grouped_gemm_and_reference(num_tokens, tiles, monkey
     check(qwen_like(), num_tokens, DecodeConfig(*tiles), monkeypatch)
 
 
+@pytest.mark.parametrize("num_tokens,tiles", [(1, (FMA, DOT)), (33, (DOT_ONE_SPLIT, FMA_PIECES))],
+                         ids=["fma-dot-1", "dot-fma-33"])
+def test_fp8_token_decode_matches_grouped_gemm_and_reference(num_tokens, tiles, monkeypatch):
+    """Per-token fp8 (a scale per row from all of K, a weight scale per channel): the same kernels."""
+    check(qwen_like("fp8_token"), num_tokens, DecodeConfig(*tiles), monkeypatch)
+
+
 def test_fp8_decode_one_expert_many_times(monkeypatch):
     """20 tokens all on experts 0..3: 20 slots per expert (chunks of 16 and 2 rows), 4 experts idle."""
     check(qwen_like(), 20, DecodeConfig(DOT, FMA), monkeypatch, hot=True)
 
 
-def test_fp8_decode_expert_map_fp32(monkeypatch):
+@pytest.mark.parametrize("quant", ["fp8_block", "fp8_token"])
+def test_fp8_decode_expert_map_fp32(quant, monkeypatch):
     """3 local experts of 8 (-1 elsewhere: those slots contribute nothing), float32 activations, K = 200
     and 72 (neither a multiple of 128), silu without bias."""
-    p = make_problem("fp8_block", "silu", E=8, k=3, H=200, I=72, dtype=torch.float32,
+    p = make_problem(quant, "silu", E=8, k=3, H=200, I=72, dtype=torch.float32,
                      expert_map=(-1, 0, -1, -1, 1, -1, 2, -1))
     for tokens, tiles in ((1, (FMA, DOT)), (5, (DOT_ONE_SPLIT, FMA_PIECES))):
         check(p, tokens, DecodeConfig(*tiles), monkeypatch, dtype=torch.float32)
@@ -129,10 +137,10 @@ def test_fp8_decode_path_taken_by_slot_count(monkeypatch):
 
 
 def test_fp8_weight_only_mode_keeps_the_grouped_gemm():
-    """fp8 weights read with unquantized activations (GPUs without fp8 tensor cores) are not decode's;
-    fp8_block W8A8 is, and declares the partial-sum workspace."""
-    assert decode.decodes(QuantFormat.FP8_BLOCK, QuantFormat.FP8_BLOCK)
-    assert not decode.decodes(QuantFormat.FP8_BLOCK, QuantFormat.NONE)
+    """fp8 weights read with unquantized activations (GPUs without fp8 tensor cores) are not decode's, nor
+    per-tensor fp8; fp8_block and fp8_token W8A8 are, and declare the partial-sum workspace."""
+    for fmt in (QuantFormat.FP8_BLOCK, QuantFormat.FP8_ROW):
+        assert decode.decodes(fmt, fmt) and not decode.decodes(fmt, QuantFormat.NONE)
     assert not decode.decodes(QuantFormat.FP8_TENSOR, QuantFormat.FP8_TENSOR)
     shapes = TritonExperts(make_problem("fp8_block")).workspace_shapes(DispatchShape(ActivationFormat.STANDARD, 4))
     assert {"decode_part1", "decode_part2"} <= {name for name, _ in shapes.buffers}
@@ -143,30 +151,33 @@ def test_fp8_decode_rejects_a_block_k_not_dividing_the_group(monkeypatch):
                         lambda m: DecodeConfig(DecodeTile(16, 96, 2, 1, dot=False), FMA))
     p = make_problem("fp8_block")
     x = torch.randn(1, p.hidden_size).half()
-    with pytest.raises(MoEConfigError, match="block_k dividing the 128-column group.*got 96"):
+    with pytest.raises(MoEConfigError, match="block_k dividing the 128-column K step.*got 96"):
         run_experts(TritonExperts(p), dispatched_for(x, routed(1, p)), make_weights(p))
 
 
+@pytest.mark.parametrize("fmt", [QuantFormat.FP8_BLOCK, QuantFormat.FP8_ROW])
 @pytest.mark.parametrize("tile", [FMA, FMA_PIECES, DOT], ids=["fma", "fma-pieces", "dot"])
-def test_fp8_decode_quantizes_activations_as_quantize_fp8_rows(tile):
+def test_fp8_decode_quantizes_activations_as_quantize_fp8_rows(tile, fmt):
     """Identity weights (e4m3 1.0, scales 1.0): the GEMM's output column n is row j's dequantized
-    activation q[j, n] * scale[j, n // 128] -- one rounding, the same in both -- so it must equal what
-    `quantize_fp8_rows` stores, bit for bit. K = 328: a ragged last group; rows of very different
-    magnitudes, an all-zero group (scale 1), values on e4m3 rounding ties."""
+    activation q[j, n] * its scale (fp8_block: scale[j, n // 128]; fp8_token: scale[j]) -- one rounding,
+    the same in both -- so it must equal what `quantize_fp8_rows` stores, bit for bit. K = 328: a ragged
+    last group; rows of very different magnitudes, an all-zero group (scale 1), values on e4m3 ties."""
     k, experts = 328, 4
     x = torch.randn(experts, k) * torch.tensor([1e-3, 1.0, 30.0, 500.0])[:, None]
     x[1, 128:256] = 0.0
     x[2, :8] = torch.tensor([1.0625, 1.1875, -3.25, 448.0, 0.001953125, 2**-9 * 3, 1.03125, -1.09375])
     x = x.half()
+    block = fmt is QuantFormat.FP8_BLOCK
     w = WeightOperand(torch.eye(k).expand(experts, k, k).to(torch.float8_e4m3fn).contiguous(),
-                      torch.ones(experts, 3, 3), None, QuantFormat.FP8_BLOCK)
+                      torch.ones((experts, 3, 3) if block else (experts, k, 1)), None, fmt)
     ids = torch.arange(experts, dtype=torch.int32)[None, :]  # one token, slot j on expert j
     routing = decode._routing(ids, SimpleNamespace(expert_map=None), experts, None)  # one token: no alignment
     part = torch.full((tile.splits, experts, k), float("nan"))
     decode._gemm(x, w, None, part, routing, None, 1, tile, False)  # A_ROW_DIV 1: slot j reads row j
     got = part.sum(0)
-    q, scale = torch.empty(experts, k, dtype=torch.float8_e4m3fn), torch.empty(experts, 3)
-    quantize_fp8_rows(x, QuantFormat.FP8_BLOCK, q, scale, torch.empty(1))
-    want = q.float() * scale.repeat_interleave(128, 1)[:, :k]
+    q, scale = torch.empty(experts, k, dtype=torch.float8_e4m3fn), torch.empty(experts, 3 if block else 1)
+    quantize_fp8_rows(x, fmt, q, scale, torch.empty(1))
+    want = q.float() * (scale.repeat_interleave(128, 1)[:, :k] if block else scale)
     assert torch.equal(got, want)
-    assert scale[1, 1] == 1.0 and scale[0, 0] < 1e-5 and scale[3, 0] > 0.5  # the case covers what it claims
+    assert scale[0, 0] < 1e-5 and scale[3, 0] > 0.5  # the case covers what it claims
+    assert not block or scale[1, 1] == 1.0

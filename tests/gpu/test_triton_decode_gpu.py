@@ -1,7 +1,8 @@
 """The decode path (`_triton/decode.py`) on a CUDA GPU, bfloat16. MXFP4 W4A16: GPT-OSS-120B's real
 shape at M = 1, 16, 64 against the reference experts, both dequantizations (packed bf16x2 PTX and
-float32 math) and both program kinds. fp8_block W8A8: Qwen3-30B-A3B's shape at M = 1, 4, 16, 64 against
-the grouped-GEMM fp8_block path and the reference, the default configs and both program kinds. Both:
+float32 math) and both program kinds. fp8_block and fp8_token W8A8: Qwen3-30B-A3B's shape at M = 1, 4,
+16, 64 against the grouped-GEMM path of the scheme and the reference, the default configs and both program
+kinds. Both:
 CUDA-graph replay bit-equal to eager, no host sync."""
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ def test_packed_and_float32_dequantization_agree(monkeypatch):
     assert torch.equal(outs[0], outs[1])
 
 
-def qwen3(tokens):
-    return problem("fp8_block", "silu", E=128, k=8, H=2048, I=768, max_tokens=tokens)
+def qwen3(tokens, quant="fp8_block"):
+    return problem(quant, "silu", E=128, k=8, H=2048, I=768, max_tokens=tokens)
 
 
 @pytest.mark.parametrize("tokens", [1, 64])
@@ -86,13 +87,14 @@ FP8_DOT = DecodeTile(64, 128, 2, 16, dot=True, asm=False)
 
 @pytest.mark.parametrize("tokens", [1, 4, 16, 64])
 @pytest.mark.parametrize("tiles", [None, (FP8_FMA, FP8_DOT), (FP8_DOT, FP8_FMA)], ids=["default", "fma", "dot"])
-def test_qwen3_fp8_decode_matches_grouped_gemm_and_reference(tokens, tiles, monkeypatch):
+@pytest.mark.parametrize("quant", ["fp8_block", "fp8_token"])
+def test_qwen3_fp8_decode_matches_grouped_gemm_and_reference(quant, tokens, tiles, monkeypatch):
     """The decode kernels against the grouped GEMM on the same quantized operands (the activation codes
     and scales are the same; only the fp32 summation order and the bf16 intermediate's rounding differ:
     within bf16's bound) and against the reference experts (fp8's)."""
     if tiles is not None:
         monkeypatch.setattr("moe.experts.triton.fp8_decode_config", lambda m: DecodeConfig(*tiles))
-    p = qwen3(tokens)
+    p = qwen3(tokens, quant)
     weights = weights_for(p)
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(weights)
@@ -101,7 +103,7 @@ def test_qwen3_fp8_decode_matches_grouped_gemm_and_reference(tokens, tiles, monk
     out = run(experts, d, prepared).float().clone()
     monkeypatch.setattr("moe.experts.triton.uses_decode", lambda *a: False)
     grouped = run(experts, d, prepared).float()
-    context = f"fp8_block decode M={tokens} {tiles}"
+    context = f"{quant} decode M={tokens} {tiles}"
     assert_close_moe(out, grouped, "bf16", context=context + " vs grouped GEMM")
     assert_close_moe(out, reference(p, d.x.data, d.topk, weights), regime_for(p), context=context + " vs reference")
 

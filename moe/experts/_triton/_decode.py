@@ -1,4 +1,4 @@
-"""Triton code of the MXFP4 / NVFP4 W4A16 and fp8 128-block W8A8 decode GEMMs (see decode.py for the
+"""Triton code of the MXFP4 / NVFP4 W4A16 and fp8 (128-block, per-token) W8A8 decode GEMMs (see decode.py for the
 contract and the launch; the fp8 K loop is in _decode_fp8.py).
 
 One program owns (expert group, N tile, K split): it streams that expert's ``[BLOCK_N, K / SPLITS]``
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from moe.experts._triton._decode_fp8 import GROUP, fp8_k_loop
-from moe.experts._triton._gemm import (_FP8_BLOCK, _NVFP4, _activate, _dot, _fp4_half_tiles, _fp4_load,
+from moe.experts._triton._gemm import (_FP8_BLOCK, _FP8_ROW, _NVFP4, _activate, _dot, _fp4_half_tiles, _fp4_load,
                                        _fp4_scale_words)
 from moe.experts._triton._lang import cdiv_, cumsum_, sum_
 
@@ -189,7 +189,7 @@ def decode_gemm_kernel(
     offs_n = (tl.program_id(0) // SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_n = offs_n % N  # the tail's extra columns re-read valid ones; they are never stored
-    if SCALES == _FP8_BLOCK:  # a K step is one activation group (_decode_fp8.py)
+    if SCALES == _FP8_BLOCK or SCALES == _FP8_ROW:  # K steps of 128 columns (_decode_fp8.py)
         steps = cdiv_(K, GROUP)
     else:
         steps = cdiv_(K, BLOCK_K)
@@ -207,10 +207,10 @@ def decode_gemm_kernel(
         else:
             slots = start + rows * 0
         slots = slots.to(tl.int64)
-        if SCALES == _FP8_BLOCK:  # W8A8: the activations quantized per group inside the loop
+        if SCALES == _FP8_BLOCK or SCALES == _FP8_ROW:  # W8A8: the activations quantized inside the loop
             acc, acc_up = fp8_k_loop(a_ptr, slots // A_ROW_DIV, row_ok, stride_am, w_base, stride_wn, ws_base,
                                      stride_wsn, stride_wsk, offs_n, N, K, k_first, k_last,
-                                     GATED, EVEN_K, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+                                     GATED, SCALES == _FP8_ROW, EVEN_K, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
         else:
             if DOT:  # transposed (see `_accumulate`)
                 acc = tl.full([BLOCK_N, BLOCK_M], 0, tl.float32)

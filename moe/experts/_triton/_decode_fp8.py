@@ -1,11 +1,14 @@
-"""Triton code of the fp8 128-block W8A8 decode GEMMs' K loop (decode.py launches it through
-_decode.py's `decode_gemm_kernel`, which owns the rest: expert groups, N tiles, K splits, epilogue).
+"""Triton code of the fp8 W8A8 decode GEMMs' K loop (decode.py launches it through _decode.py's
+`decode_gemm_kernel`, which owns the rest: expert groups, N tiles, K splits, epilogue).
 
-W8A8 numerics as the grouped GEMM's (fp8_block: e4m3 weights, one fp32 scale per 128 x 128 block;
-activations quantized per (row, 128-column group)), without a quantization launch: each K step is one
-group, whose activation scale and e4m3 codes the program computes itself with `_rows.py`'s helpers
-(`_group_scales`, `_to_e4m3`) from the same float32 values, so they are bit for bit those
-`quantize_fp8_rows` would store. K splits cut between groups, so a split never needs another's scale.
+W8A8 numerics as the grouped GEMM's, without a quantization launch: the program quantizes its rows
+itself with `_rows.py`'s helpers, from the same float32 values, so the e4m3 codes and scales are bit
+for bit those `quantize_fp8_rows` would store. fp8_block (e4m3 weights, one fp32 scale per 128 x 128
+block; activations per (row, 128-column group)): each K step is one group, its scale `_group_scales`
+of the step's columns; K splits cut between groups, so a split never needs another's scale.
+fp8_token (``ROWWISE``: a weight scale per output channel, an activation scale per row): the row's
+scale (`_row_scales`, its abs-max over all of K) is computed before the loop -- every program reads
+its rows whole once more (a few KB, from L2) -- and the K steps are 128 columns as well.
 
 The products, per group: ``DOT`` (tensor cores, ``block_m >= 16``): ``(q_w . q_a)`` of the e4m3 codes
 in fp32 times ``w_scale[n block, group] * a_scale[row, group]``, as the grouped GEMM; else (few rows)
@@ -19,7 +22,7 @@ import triton
 import triton.language as tl
 
 from moe.experts._triton._lang import sum_
-from moe.experts._triton._rows import _group_scales, _to_e4m3
+from moe.experts._triton._rows import _group_scales, _row_scales, _to_e4m3
 
 GROUP = tl.constexpr(128)  # the activation group and the weight block along K
 
@@ -57,15 +60,13 @@ def _accumulate(acc, q, a_scale, w, w_scale, DOT: tl.constexpr):
 
 
 @triton.jit
-def _group_step(acc, x, a_ptrs, row_ok, w_ptrs, ws_ptrs, k0, K,
+def _group_step(acc, x, a_scale, a_ptrs, row_ok, w_ptrs, w_scale, k0, K,
                 EVEN_K: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr):
-    """One 128-column group of one weight half (gate or up): ``x`` its activations (float32, ``[BLOCK_M,
-    128]``), ``a_ptrs`` / ``w_ptrs`` its first piece's ``[BLOCK_M, BLOCK_K]`` / ``[BLOCK_K, BLOCK_N]``
-    pointers, ``ws_ptrs [BLOCK_N]`` the weight scales of the tile's rows (one n-block's, or two where
-    the tile straddles blocks: the up rows when I is not a multiple of 128)."""
-    a_scale = _group_scales(x)
-    w_scale = tl.load(ws_ptrs)
+    """One 128-column K step of one weight half (gate or up): ``x`` its activations (float32, ``[BLOCK_M,
+    128]``) and ``a_scale [BLOCK_M]`` theirs, ``a_ptrs`` / ``w_ptrs`` its first piece's ``[BLOCK_M, BLOCK_K]``
+    / ``[BLOCK_K, BLOCK_N]`` pointers, ``w_scale [BLOCK_N]`` the tile rows' weight scales (fp8_block: one
+    n-block's, or two where the tile straddles blocks: the up rows when I is not a multiple of 128)."""
     if DOT:
         part = tl.full([BLOCK_N, BLOCK_M], 0, tl.float32)
     else:
@@ -87,13 +88,25 @@ def _group_step(acc, x, a_ptrs, row_ok, w_ptrs, ws_ptrs, k0, K,
 
 
 @triton.jit
+def _weight_scales(ws_ptrs, kk, stride_wsk, ROWWISE: tl.constexpr):
+    """The ``[BLOCK_N]`` weight scales of K step ``kk``: fp8_block's group column, or (``ROWWISE``) the
+    channels' one scale."""
+    if ROWWISE:
+        w_scale = tl.load(ws_ptrs)
+    else:
+        w_scale = tl.load(ws_ptrs + kk * stride_wsk)
+    return w_scale
+
+
+@triton.jit
 def fp8_k_loop(a_ptr, a_rows, row_ok, stride_am, w_base, stride_wn, ws_base, stride_wsn, stride_wsk,
                offs_n, N, K, k_first, k_last,
-               GATED: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Groups ``k_first .. k_last - 1`` of one row chunk: ``(acc, acc_up)``, float32 ``[BLOCK_M, BLOCK_N]``
-    (the up half's stays 0 unless ``GATED``). Weights ``[N(, up rows N further), K]`` K-contiguous,
-    scales ``[n block, group]`` (fp8_block's layout, as the grouped GEMM reads it)."""
+               GATED: tl.constexpr, ROWWISE: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """K steps ``k_first .. k_last - 1`` (128 columns each) of one row chunk: ``(acc, acc_up)``, float32
+    ``[BLOCK_M, BLOCK_N]`` (the up half's stays 0 unless ``GATED``). Weights ``[N(, up rows N further), K]``
+    K-contiguous; scales ``[n block, group]`` (fp8_block) or ``[n, 1]`` (``ROWWISE``), the layouts the
+    grouped GEMM reads."""
     if DOT:
         acc = tl.full([BLOCK_N, BLOCK_M], 0, tl.float32)
     else:
@@ -103,17 +116,28 @@ def fp8_k_loop(a_ptr, a_rows, row_ok, stride_am, w_base, stride_wn, ws_base, str
     piece = tl.arange(0, BLOCK_K)
     a_rows_ptr = a_ptr + a_rows[:, None] * stride_am
     w_ptrs = w_base + offs_n[None, :] * stride_wn + piece[:, None]
-    ws_ptrs = ws_base + (offs_n // GROUP) * stride_wsn
-    ws_up_ptrs = ws_base + ((offs_n + N) // GROUP) * stride_wsn
+    if ROWWISE:  # a scale per channel; the rows' scales from all of K, before the first step
+        ws_ptrs = ws_base + offs_n * stride_wsn
+        ws_up_ptrs = ws_base + (offs_n + N) * stride_wsn
+        a_scale = _row_scales(a_rows_ptr, row_ok, K, BLOCK_M, GROUP)
+    else:
+        ws_ptrs = ws_base + (offs_n // GROUP) * stride_wsn
+        ws_up_ptrs = ws_base + ((offs_n + N) // GROUP) * stride_wsn
     for kk in range(k_first, k_last):
         k0 = kk * GROUP
         x = _load_rows(a_rows_ptr + k0 + cols[None, :], row_ok, k0 + cols < K, EVEN_K)
+        if ROWWISE:
+            step_scale = a_scale
+        else:
+            step_scale = _group_scales(x)
         a_ptrs = a_rows_ptr + k0 + piece[None, :]
-        acc = _group_step(acc, x, a_ptrs, row_ok, w_ptrs + k0, ws_ptrs + kk * stride_wsk, k0, K,
-                          EVEN_K, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
-        if GATED:  # the up rows: N further down, their scales in the n-blocks of rows N + n
-            acc_up = _group_step(acc_up, x, a_ptrs, row_ok, w_ptrs + N * stride_wn + k0,
-                                 ws_up_ptrs + kk * stride_wsk, k0, K, EVEN_K, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = _group_step(acc, x, step_scale, a_ptrs, row_ok, w_ptrs + k0,
+                          _weight_scales(ws_ptrs, kk, stride_wsk, ROWWISE), k0, K, EVEN_K, DOT, BLOCK_M, BLOCK_N,
+                          BLOCK_K)
+        if GATED:  # the up rows: N further down, their scales those of rows N + n
+            acc_up = _group_step(acc_up, x, step_scale, a_ptrs, row_ok, w_ptrs + N * stride_wn + k0,
+                                 _weight_scales(ws_up_ptrs, kk, stride_wsk, ROWWISE), k0, K, EVEN_K, DOT, BLOCK_M,
+                                 BLOCK_N, BLOCK_K)
     if DOT:
         acc, acc_up = tl.trans(acc), tl.trans(acc_up)
     else:

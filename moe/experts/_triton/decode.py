@@ -1,5 +1,5 @@
-"""Decode GEMMs built for the weight stream: MXFP4 / NVFP4 W4A16 and fp8 128-block W8A8 (the kernels are
-in _decode.py; the fp8 K loop in _decode_fp8.py).
+"""Decode GEMMs built for the weight stream: MXFP4 / NVFP4 W4A16 and fp8 W8A8, 128-block and per-token (the
+kernels are in _decode.py; the fp8 K loop in _decode_fp8.py).
 
 At decode every expert's weights are read once per forward and the activations are a few rows, so
 the time is the bytes of the experts hit over the memory bandwidth. `decode_experts` keeps all SMs
@@ -9,10 +9,10 @@ streaming and reads each weight byte once per expert hit::
               experts are distinct: one program group per slot)
     gemm1     grid (N tiles x K splits, expert groups): fp32 partials [splits, slots, 2I]
               (one split: bias + activation fused, the intermediate written directly)
-              fp8_block: x quantized per (row, 128-group) inside the K loop, no quantize launch
+              fp8: x quantized per (row, 128-group) or per row inside the GEMM, no quantize launch
     act       intermediate[slot] = act(sum over splits + bias)         (only with > 1 split)
     gemm2     the same over w2: fp32 partials [splits, slots, H]
-              (fp8_block: the 16-bit intermediate quantized inside the K loop likewise)
+              (fp8: the 16-bit intermediate quantized inside the GEMM likewise)
     combine   out[t] = sum_j weight[t, j] * (sum over splits of slot t*k+j + b2)
 
 Split-K partials are summed by a second launch in split order rather than by float atomics: the
@@ -37,6 +37,7 @@ from moe.quant import QuantFormat
 
 DECODE_MAX_SLOTS = 256  # M * k up to this takes the decode path (`decodes`)
 DECODE_FORMATS = (QuantFormat.MXFP4, QuantFormat.NVFP4)  # weight-only: 16-bit activations
+FP8_DECODE_FORMATS = (QuantFormat.FP8_BLOCK, QuantFormat.FP8_ROW)  # W8A8 (fp8_block, fp8_token)
 FP8_GROUP = 128  # fp8_block's activation group along K: one K step of the fp8 decode loop
 MAX_SPLITS = 8  # the partial-sum workspace holds this many K splits
 _EPILOGUE_BLOCK = 1024
@@ -47,7 +48,7 @@ class DecodeTile:
     """One decode GEMM's program: ``block_m`` slots of one expert x ``block_n`` output columns x
     ``K / splits``. ``dot``: tensor cores (block_m >= 16) or float32 FMAs (few rows); ``asm``:
     packed bf16x2 PTX dequantization (bfloat16 activations on a GPU, scales <= 2; else exact
-    float32 math). fp8_block weights: ``block_k`` divides 128, the pieces a group is consumed in
+    float32 math). fp8 weights: ``block_k`` divides 128, the pieces a 128-column K step is consumed in
     (``asm`` unused)."""
 
     block_n: int = 32
@@ -82,11 +83,12 @@ DECODE_CONFIGS = {
 }
 
 
-# fp8_block W8A8, by M as above. Not timed yet (written without a GPU): guesses from the MXFP4 sweep and
-# the register budget of the FMA accumulator ([block_m, block_k, block_n] fp32, twice when gated), for
-# Qwen3-30B-A3B on an H100 (gemm1 2 x 768 x 2048, gemm2 2048 x 768; 132 SMs): M = 1, 8 slots, 4 splits x
-# 12 tiles of gemm1 and 2 x 32 of gemm2 per slot keep every SM busy; M = 2..31, up to ~4 slots per
-# expert on FMAs; from 32, 16-row tensor-core programs (e4m3 x e4m3 MMA, as the grouped GEMM)
+# fp8 W8A8 (fp8_block and fp8_token), by M as above. Not timed yet (written without a GPU): guesses from
+# the MXFP4 sweep and the register budget of the FMA accumulator ([block_m, block_k, block_n] fp32, twice
+# when gated), for Qwen3-30B-A3B on an H100 (gemm1 2 x 768 x 2048, gemm2 2048 x 768; 132 SMs): M = 1,
+# 8 slots, 4 splits x 12 tiles of gemm1 and 2 x 32 of gemm2 per slot keep every SM busy; M = 2..31, up
+# to ~4 slots per expert on FMAs; from 32, 16-row tensor-core programs (e4m3 x e4m3 MMA, as the grouped
+# GEMM)
 FP8_DECODE_CONFIGS = {
     1: DecodeConfig(DecodeTile(64, 64, 4, 1, False, False, 4, 3), DecodeTile(64, 128, 2, 1, False, False, 4, 3)),
     2: DecodeConfig(DecodeTile(32, 64, 2, 4, False, False, 4, 3), DecodeTile(32, 64, 2, 4, False, False, 4, 3)),
@@ -104,17 +106,19 @@ def decode_config(num_tokens: int) -> DecodeConfig:
 
 
 def fp8_decode_config(num_tokens: int) -> DecodeConfig:
-    """fp8_block W8A8's config for ``num_tokens``."""
+    """fp8 W8A8's config (fp8_block, fp8_token) for ``num_tokens``."""
     return _bucket(FP8_DECODE_CONFIGS, num_tokens)
 
 
 def decodes(weight_fmt: QuantFormat, activation_fmt: QuantFormat) -> bool:
     """Whether the decode kernels serve GEMMs of ``weight_fmt`` weights reading ``activation_fmt``
     activations: MXFP4 / NVFP4 with unquantized ones (NONE also where the weights run weight-only, as
-    NVFP4 always does here), and fp8_block W8A8 (not its weight-only mode: GPUs without fp8 tensor
-    cores keep the grouped GEMM)."""
-    if weight_fmt is QuantFormat.FP8_BLOCK:
-        return activation_fmt is QuantFormat.FP8_BLOCK
+    NVFP4 always does here), and fp8_block / fp8_token W8A8 (not their weight-only mode: GPUs without
+    fp8 tensor cores keep the grouped GEMM). Per-tensor fp8 keeps it too: its activation scale is the
+    abs-max over every row (for gemm2 every slot's intermediate), which each program would re-read or
+    a separate launch would reduce first, as the grouped path's does."""
+    if weight_fmt in FP8_DECODE_FORMATS:
+        return activation_fmt is weight_fmt
     return weight_fmt in DECODE_FORMATS and activation_fmt is QuantFormat.NONE
 
 
@@ -168,9 +172,9 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor, part: torch.Tens
     gated = activation is not None and activation.is_gated
     n_out = w.data.shape[1] // (2 if gated else 1)
     k = w.k
-    fp8 = w.fmt is QuantFormat.FP8_BLOCK
+    fp8 = w.fmt in FP8_DECODE_FORMATS
     if fp8 and FP8_GROUP % tile.block_k:
-        raise MoEConfigError(f"fp8_block decode tiles need block_k dividing the {FP8_GROUP}-column group "
+        raise MoEConfigError(f"fp8 decode tiles need block_k dividing the {FP8_GROUP}-column K step "
                              f"(got {tile.block_k}); use 32, 64 or 128")
     fused = tile.splits == 1 and out is not None
     has_map = routing.expert_map is not None
@@ -197,8 +201,8 @@ def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
                    activation: Activation, num_local: int, config: DecodeConfig, workspace,
                    out: torch.Tensor) -> torch.Tensor:
     """``out [M, H] = sum_j topk_weights[m, j] * experts_j(x[m])`` over the slots whose expert is
-    here, for MXFP4, NVFP4 or fp8_block ``weights`` and unquantized ``x [M, H]`` in bf16/fp16/fp32
-    (`uses_decode` must hold; fp8_block quantizes x and the intermediate inside the GEMMs)."""
+    here, for MXFP4, NVFP4, fp8_block or fp8_token ``weights`` and unquantized ``x [M, H]`` in
+    bf16/fp16/fp32 (`uses_decode` must hold; fp8 quantizes x and the intermediate inside the GEMMs)."""
     _decode = kernels("decode")
     tokens, top_k = topk_ids.shape
     slots = tokens * top_k
