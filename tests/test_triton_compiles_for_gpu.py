@@ -73,7 +73,7 @@ EP_MAP = (-1, 0, -1, -1, 1, -1, 2, -1)  # experts 1, 4, 6 of 8 live here
 def standard(quant, activation="silu", tokens=5, *, config=None, weight_only=False, grouped=False, **problem):
     """`TritonExperts` (align, fp8 quantization, both GEMMs, combine) on ``tokens`` tokens; ``config``
     replaces the table's (else the default for M), ``weight_only`` prepares fp8 as for an A100, ``grouped``
-    keeps fp4 weights on the grouped GEMM where the decode kernels would take a few tokens."""
+    keeps fp4 and fp8 weights on the grouped GEMM where the decode kernels would take a few tokens."""
     p = make_problem(quant, activation, **problem)
     experts = TritonExperts(p)
     if weight_only:
@@ -93,9 +93,10 @@ DOT_TILES = DecodeConfig(DecodeTile(32, 64, 1, 16, dot=True), DecodeTile(32, 64,
 
 
 def decode(tokens, config, activation="swiglu_oai", quant="mxfp4"):
-    """The fp4 decode kernels (`_triton/decode.py`, M * k <= 256) under ``config``: gemm, the split
-    sums' epilogues, and for more than one token the unpadded alignment."""
-    with mock.patch("moe.experts.triton.decode_config", lambda m: config):
+    """The fp4 or fp8_block decode kernels (`_triton/decode.py`, M * k <= 256) under ``config``: gemm, the
+    split sums' epilogues, and for more than one token the unpadded alignment."""
+    with mock.patch("moe.experts.triton.decode_config", lambda m: config), \
+            mock.patch("moe.experts.triton.fp8_decode_config", lambda m: config):
         standard(quant, activation, tokens=tokens, bias=activation == "swiglu_oai")
 
 
@@ -135,8 +136,11 @@ SCENARIOS = {
     "fp16 gelu 130 rows/expert": lambda: standard("fp16", "gelu", tokens=130, E=2, max_tokens=130),  # prefill tiles
     "fp32 silu direct expert map bias": lambda: standard("fp32", tokens=2, E=8, k=3, expert_map=EP_MAP, bias=True),
     "fp8 tensor": lambda: standard("fp8"),
-    "fp8 row": lambda: standard("fp8_token", "relu2"),
-    "fp8 block expert map": lambda: standard("fp8_block", E=8, expert_map=EP_MAP),
+    "fp8 row": lambda: standard("fp8_token", "relu2", grouped=True),
+    "fp8 token decode grouped fma": lambda: decode(3, FMA_TILES, activation="silu", quant="fp8_token"),
+    "fp8 block expert map": lambda: standard("fp8_block", E=8, expert_map=EP_MAP, grouped=True),
+    "fp8 block decode one token fma": lambda: decode(1, FMA_TILES, activation="silu", quant="fp8_block"),
+    "fp8 block decode grouped dot relu2": lambda: decode(3, DOT_TILES, activation="relu2", quant="fp8_block"),
     "mxfp4 swiglu_oai bias": lambda: standard("mxfp4", "swiglu_oai", bias=True),
     "nvfp4 weight-only": lambda: standard("nvfp4", grouped=True),
     "nvfp4 weight-only decode": lambda: decode(2, DOT_TILES, activation="silu", quant="nvfp4"),
@@ -144,7 +148,7 @@ SCENARIOS = {
     "fp8 row weight-only direct": lambda: standard("fp8_token", tokens=3, weight_only=True),
     "fp8 block weight-only": lambda: standard("fp8_block", "relu2", weight_only=True),
     "fp16 silu TMA": lambda: standard("fp16", config=TMA),
-    "fp8 block TMA": lambda: standard("fp8_block", config=TMA),
+    "fp8 block TMA": lambda: standard("fp8_block", config=TMA, grouped=True),
     "fp16 silu tma_a": lambda: standard("fp16", config=TMA_A),
     "fp32 relu2 tma_a gemm1 expert map bias": lambda: standard("fp32", "relu2", config=TMA_A_GEMM1, E=8, k=3,
                                                                expert_map=EP_MAP, bias=True),
@@ -175,7 +179,9 @@ SWITCHES = {
     "moe.experts._triton._align.rank_kernel": {"HAS_MAP": BOTH},
     "moe.experts._triton._decode.decode_gemm_kernel": {"DOT": BOTH, "GROUPED": BOTH, "FUSED": BOTH,
                                                        "SCALES": {QUANT_CODES[QuantFormat.MXFP4],
-                                                                  QUANT_CODES[QuantFormat.NVFP4]}},
+                                                                  QUANT_CODES[QuantFormat.NVFP4],
+                                                                  QUANT_CODES[QuantFormat.FP8_BLOCK],
+                                                                  QUANT_CODES[QuantFormat.FP8_ROW]}},
     "moe.routing._fused.route_kernel": {"SCORE": set(range(len(SCORE_NAMES))), "ON_LOGITS": BOTH,
                                         "HAS_BIAS": BOTH, "RENORMALIZE": BOTH},
 }

@@ -2,8 +2,9 @@
 
 One forward, all on the GPU, no host sync, CUDA-graph capturable (shapes depend on M only)::
 
-    (MXFP4 or NVFP4 weights x unquantized activations, M * k <= 256: `_triton/decode.py` instead,
-    split-K over all SMs, each expert's weights read once per forward)
+    (M * k <= 256 with MXFP4 or NVFP4 weights x unquantized activations, or fp8_block / fp8_token
+    W8A8: all of this in `_triton/decode.py` instead, split-K over all SMs, each expert's weights read
+    once per forward; fp8 activations quantized inside its GEMMs, no quantize launches)
     align      topk ids -> rows sorted by local expert, padded to BLOCK_M     (_triton/align.py)
                (decode configs skip it: one program per slot, "direct")
     quantize   x -> fp8 when the scheme quantizes activations                 (_triton/rows.py)
@@ -28,7 +29,8 @@ import torch
 from moe.experts._triton.align import align_block_size
 from moe.experts._triton.align import workspace_buffers as align_buffers
 from moe.experts._triton.config import BLOCK_MS, ConfigTable
-from moe.experts._triton.decode import DECODE_FORMATS, decode_config, decode_experts, uses_decode
+from moe.experts._triton.decode import FP8_DECODE_FORMATS, decode_config, decode_experts, decodes, uses_decode
+from moe.experts._triton.decode import fp8_decode_config
 from moe.experts._triton.decode import workspace_buffers as decode_buffers
 from moe.experts._triton.gemm import DirectRows, SortedRows, grouped_gemm
 from moe.experts._triton.gemm_tma_a import sorted_tma_a_gemms, workspace_rows
@@ -101,8 +103,7 @@ class TritonExperts(Experts):
             **align_buffers(slots, p.local_num_experts, BLOCK_MS),
             **quant_buffers(act, "x", tokens, p.hidden_size),
             **quant_buffers(act, "inter", slots, p.intermediate_size),
-            **(decode_buffers(slots, p.w13_rows, p.hidden_size) if p.quant.weight in DECODE_FORMATS
-               and act is QuantFormat.NONE else {}),
+            **(decode_buffers(slots, p.w13_rows, p.hidden_size) if decodes(p.quant.weight, act) else {}),
         )
 
     def apply(self, dispatched: Dispatched, weights: TritonWeights, workspace: Workspace) -> ExpertsOutput:
@@ -116,9 +117,10 @@ class TritonExperts(Experts):
         ids = dispatched.topk.ids
         act = QuantFormat.NONE if weights.weight_only else p.quant.activation  # what the GEMMs read
         if dispatched.x.fmt is QuantFormat.NONE and uses_decode(weights, act, slots):
+            pick = fp8_decode_config if weights.w13.fmt in FP8_DECODE_FORMATS else decode_config
             return ExpertsOutput(OutputKind.REDUCED, decode_experts(
                 dispatched.x.data, ids, dispatched.topk.weights, weights, p.activation, p.local_num_experts,
-                decode_config(tokens), workspace, out))
+                pick(tokens), workspace, out))
         config = weights.configs.lookup(tokens)
         # 1. routing -> blocks of rows sorted by expert (or, for decode, one program per slot)
         if config.direct:

@@ -1,4 +1,5 @@
-"""Triton code of the MXFP4 W4A16 decode GEMMs (see decode.py for the contract and the launch).
+"""Triton code of the MXFP4 / NVFP4 W4A16 and fp8 (128-block, per-token) W8A8 decode GEMMs (see decode.py for the
+contract and the launch; the fp8 K loop is in _decode_fp8.py).
 
 One program owns (expert group, N tile, K split): it streams that expert's ``[BLOCK_N, K / SPLITS]``
 weight slice once and applies it to every slot routed to the expert (all of them, BLOCK_M rows at
@@ -18,8 +19,9 @@ The weight format lives in `_weight_half_tiles` and its scale decoders: NVFP4 pl
 import triton
 import triton.language as tl
 
-from moe.experts._triton._gemm import (_NVFP4, _activate, _dot, _e4m3_scaled, _fp4_half_tiles, _fp4_load,
-                                      _fp4_scale_words)
+from moe.experts._triton._decode_fp8 import GROUP, fp8_k_loop
+from moe.experts._triton._gemm import (_FP8_BLOCK, _FP8_ROW, _NVFP4, _activate, _dot, _e4m3_scaled, _fp4_half_tiles,
+                                       _fp4_load, _fp4_scale_words)
 from moe.experts._triton._lang import cdiv_, cumsum_, sum_
 
 # e2m1 codes of 4 bytes -> 8 bfloat16 values times the scale, 2 per register. The code's magnitude
@@ -224,7 +226,10 @@ def decode_gemm_kernel(
     offs_n = (tl.program_id(0) // SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_n = offs_n % N  # the tail's extra columns re-read valid ones; they are never stored
-    steps = cdiv_(K, BLOCK_K)
+    if SCALES == _FP8_BLOCK or SCALES == _FP8_ROW:  # K steps of 128 columns (_decode_fp8.py)
+        steps = cdiv_(K, GROUP)
+    else:
+        steps = cdiv_(K, BLOCK_K)
     per_split = cdiv_(steps, SPLITS)
     k_first = tl.minimum(split * per_split, steps)
     k_last = tl.minimum(k_first + per_split, steps)
@@ -239,17 +244,22 @@ def decode_gemm_kernel(
         else:
             slots = start + rows * 0
         slots = slots.to(tl.int64)
-        if DOT:  # transposed (see `_accumulate`)
-            acc = tl.full([BLOCK_N, BLOCK_M], 0, tl.float32)
+        if SCALES == _FP8_BLOCK or SCALES == _FP8_ROW:  # W8A8: the activations quantized inside the loop
+            acc, acc_up = fp8_k_loop(a_ptr, slots // A_ROW_DIV, row_ok, stride_am, w_base, stride_wn, ws_base,
+                                     stride_wsn, stride_wsk, offs_n, N, K, k_first, k_last,
+                                     GATED, SCALES == _FP8_ROW, EVEN_K, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
         else:
-            acc = tl.full([BLOCK_M, BLOCK_K // 2, BLOCK_N], 0, tl.float32)
-        acc, acc_up = _k_loop(acc, acc, a_ptr, slots // A_ROW_DIV, row_ok, stride_am, w_base, stride_wn,
-                              ws_base, stride_wsn, stride_wsk, offs_n, N, K, k_first, k_last,
-                              GATED, EVEN_K, IEEE, DOT, ASM, SCALES, BLOCK_K, BLOCK_N)
-        if DOT:
-            acc, acc_up = tl.trans(acc), tl.trans(acc_up)
-        else:
-            acc, acc_up = sum_(acc, 1), sum_(acc_up, 1)
+            if DOT:  # transposed (see `_accumulate`)
+                acc = tl.full([BLOCK_N, BLOCK_M], 0, tl.float32)
+            else:
+                acc = tl.full([BLOCK_M, BLOCK_K // 2, BLOCK_N], 0, tl.float32)
+            acc, acc_up = _k_loop(acc, acc, a_ptr, slots // A_ROW_DIV, row_ok, stride_am, w_base, stride_wn,
+                                  ws_base, stride_wsn, stride_wsk, offs_n, N, K, k_first, k_last,
+                                  GATED, EVEN_K, IEEE, DOT, ASM, SCALES, BLOCK_K, BLOCK_N)
+            if DOT:
+                acc, acc_up = tl.trans(acc), tl.trans(acc_up)
+            else:
+                acc, acc_up = sum_(acc, 1), sum_(acc_up, 1)
         if SCALES == _NVFP4:  # the expert's global scale factors out of the sum over K (and the splits)
             global_scale = tl.load(wg_ptr + expert)
             if ASM:  # the rest of the PTX's bias (`_e4m3_bf16_biased`)

@@ -36,6 +36,26 @@ def _scale_of(amax):
 
 
 @triton.jit
+def _group_scales(x):
+    """The fp8 scale of each row of a float32 ``[rows, 128]`` group tile (`_scale_of` its abs-max): the
+    one rule of FP8_BLOCK activations, here and in the decode GEMM's K loop (_decode_fp8.py)."""
+    return _scale_of(max_(tl.abs(x), 1))
+
+
+@triton.jit
+def _row_scales(x_rows, ok, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp8 scale of each row from its abs-max over all K columns (FP8_ROW): ``x_rows [BLOCK_R, 1]``
+    row pointers, ``ok [BLOCK_R]`` the rows to read (others get 1). Here and in _decode_fp8.py."""
+    cols = tl.arange(0, BLOCK_K)
+    best = tl.full([BLOCK_R, BLOCK_K], 0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask = ok[:, None] & (k0 + cols[None, :] < K)
+        x = tl.load(x_rows + k0 + cols[None, :], mask=mask, other=0.0)
+        best = tl.maximum(best, tl.abs(x.to(tl.float32)))
+    return _scale_of(max_(best, 1))
+
+
+@triton.jit
 def _to_e4m3(x, scale):
     """e4m3(clamp(x / scale)), rounding to nearest even in fp32 first.
 
@@ -87,12 +107,7 @@ def fp8_quant_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, valid_ptr, map_ptr, num_
             x = tl.load(x_rows + k0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(q_rows + k0 + cols[None, :], _to_e4m3(x, scale), mask=mask)
     elif MODE == _ROW:
-        best = tl.full([BLOCK_R, BLOCK_K], 0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            mask = ok[:, None] & (k0 + cols[None, :] < K)
-            x = tl.load(x_rows + k0 + cols[None, :], mask=mask, other=0.0)
-            best = tl.maximum(best, tl.abs(x.to(tl.float32)))
-        scale = _scale_of(max_(best, 1))
+        scale = _row_scales(x_rows, ok, K, BLOCK_R, BLOCK_K)
         tl.store(scale_ptr + rows64 * stride_sm, scale, mask=ok)
         for k0 in range(0, K, BLOCK_K):
             mask = ok[:, None] & (k0 + cols[None, :] < K)
@@ -102,7 +117,7 @@ def fp8_quant_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, valid_ptr, map_ptr, num_
         for k0 in range(0, K, BLOCK_K):
             mask = ok[:, None] & (k0 + cols[None, :] < K)
             x = tl.load(x_rows + k0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            scale = _scale_of(max_(tl.abs(x), 1))
+            scale = _group_scales(x)
             tl.store(scale_ptr + rows64 * stride_sm + (k0 // BLOCK_K) * stride_sk, scale, mask=ok)
             tl.store(q_rows + k0 + cols[None, :], _to_e4m3(x, scale[:, None]), mask=mask)
 

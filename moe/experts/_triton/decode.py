@@ -1,4 +1,5 @@
-"""MXFP4 W4A16 decode: both GEMMs built for the weight stream (the kernels are in _decode.py).
+"""Decode GEMMs built for the weight stream: MXFP4 / NVFP4 W4A16 and fp8 W8A8, 128-block and per-token (the
+kernels are in _decode.py; the fp8 K loop in _decode_fp8.py).
 
 At decode every expert's weights are read once per forward and the activations are a few rows, so
 the time is the bytes of the experts hit over the memory bandwidth. `decode_experts` keeps all SMs
@@ -8,8 +9,10 @@ streaming and reads each weight byte once per expert hit::
               experts are distinct: one program group per slot)
     gemm1     grid (N tiles x K splits, expert groups): fp32 partials [splits, slots, 2I]
               (one split: bias + activation fused, the intermediate written directly)
+              fp8: x quantized per (row, 128-group) or per row inside the GEMM, no quantize launch
     act       intermediate[slot] = act(sum over splits + bias)         (only with > 1 split)
     gemm2     the same over w2: fp32 partials [splits, slots, H]
+              (fp8: the 16-bit intermediate quantized inside the GEMM likewise)
     combine   out[t] = sum_j weight[t, j] * (sum over splits of slot t*k+j + b2)
 
 Split-K partials are summed by a second launch in split order rather than by float atomics: the
@@ -32,8 +35,10 @@ from moe.experts._triton.weights import TritonWeights, WeightOperand
 from moe.errors import MoEConfigError
 from moe.quant import QuantFormat
 
-DECODE_MAX_SLOTS = 256  # M * k up to this takes the decode path (MXFP4 / NVFP4 weights, 16-bit activations)
-DECODE_FORMATS = (QuantFormat.MXFP4, QuantFormat.NVFP4)
+DECODE_MAX_SLOTS = 256  # M * k up to this takes the decode path (`decodes`)
+DECODE_FORMATS = (QuantFormat.MXFP4, QuantFormat.NVFP4)  # weight-only: 16-bit activations
+FP8_DECODE_FORMATS = (QuantFormat.FP8_BLOCK, QuantFormat.FP8_ROW)  # W8A8 (fp8_block, fp8_token)
+FP8_GROUP = 128  # fp8_block's activation group along K: one K step of the fp8 decode loop
 MAX_SPLITS = 8  # the partial-sum workspace holds this many K splits
 _EPILOGUE_BLOCK = 1024
 
@@ -43,7 +48,8 @@ class DecodeTile:
     """One decode GEMM's program: ``block_m`` slots of one expert x ``block_n`` output columns x
     ``K / splits``. ``dot``: tensor cores (block_m >= 16) or float32 FMAs (few rows); ``asm``:
     packed bf16x2 PTX dequantization where `packed_dequantization` holds (bfloat16 activations on a
-    GPU; NVFP4 with any e4m3 scale, MXFP4 with scales <= 2), else exact float32 math."""
+    GPU; NVFP4 with any e4m3 scale, MXFP4 with scales <= 2), else exact float32 math. fp8 weights:
+    ``block_k`` divides 128, the pieces a 128-column K step is consumed in (``asm`` unused)."""
 
     block_n: int = 32
     block_k: int = 128
@@ -77,16 +83,48 @@ DECODE_CONFIGS = {
 }
 
 
+# fp8 W8A8 (fp8_block and fp8_token), by M as above. Not timed yet (written without a GPU): guesses from
+# the MXFP4 sweep and the register budget of the FMA accumulator ([block_m, block_k, block_n] fp32, twice
+# when gated), for Qwen3-30B-A3B on an H100 (gemm1 2 x 768 x 2048, gemm2 2048 x 768; 132 SMs): M = 1,
+# 8 slots, 4 splits x 12 tiles of gemm1 and 2 x 32 of gemm2 per slot keep every SM busy; M = 2..31, up
+# to ~4 slots per expert on FMAs; from 32, 16-row tensor-core programs (e4m3 x e4m3 MMA, as the grouped
+# GEMM)
+FP8_DECODE_CONFIGS = {
+    1: DecodeConfig(DecodeTile(64, 64, 4, 1, False, False, 4, 3), DecodeTile(64, 128, 2, 1, False, False, 4, 3)),
+    2: DecodeConfig(DecodeTile(32, 64, 2, 4, False, False, 4, 3), DecodeTile(32, 64, 2, 4, False, False, 4, 3)),
+    32: DecodeConfig(DecodeTile(64, 128, 2, 16, True, False, 4, 3), DecodeTile(64, 128, 2, 16, True, False, 4, 3)),
+}
+
+
+def _bucket(configs: dict, num_tokens: int) -> DecodeConfig:
+    return configs[max(m for m in configs if m <= max(num_tokens, 1))]
+
+
 def decode_config(num_tokens: int) -> DecodeConfig:
-    return DECODE_CONFIGS[max(m for m in DECODE_CONFIGS if m <= max(num_tokens, 1))]
+    """MXFP4 / NVFP4 weights' config for ``num_tokens``."""
+    return _bucket(DECODE_CONFIGS, num_tokens)
+
+
+def fp8_decode_config(num_tokens: int) -> DecodeConfig:
+    """fp8 W8A8's config (fp8_block, fp8_token) for ``num_tokens``."""
+    return _bucket(FP8_DECODE_CONFIGS, num_tokens)
+
+
+def decodes(weight_fmt: QuantFormat, activation_fmt: QuantFormat) -> bool:
+    """Whether the decode kernels serve GEMMs of ``weight_fmt`` weights reading ``activation_fmt``
+    activations: MXFP4 / NVFP4 with unquantized ones (NONE also where the weights run weight-only, as
+    NVFP4 always does here), and fp8_block / fp8_token W8A8 (not their weight-only mode: GPUs without
+    fp8 tensor cores keep the grouped GEMM). Per-tensor fp8 keeps it too: its activation scale is the
+    abs-max over every row (for gemm2 every slot's intermediate), which each program would re-read or
+    a separate launch would reduce first, as the grouped path's does."""
+    if weight_fmt in FP8_DECODE_FORMATS:
+        return activation_fmt is weight_fmt
+    return weight_fmt in DECODE_FORMATS and activation_fmt is QuantFormat.NONE
 
 
 def uses_decode(weights: TritonWeights, activation_fmt: QuantFormat, num_slots: int) -> bool:
-    """Whether a forward of ``num_slots`` slots takes the decode path: MXFP4 or NVFP4 weights, the GEMMs
-    reading unquantized activations (``activation_fmt``: NONE also where the weights run weight-only,
-    as NVFP4 always does here), few slots."""
-    return (weights.w13.fmt in DECODE_FORMATS and activation_fmt is QuantFormat.NONE
-            and 0 < num_slots <= DECODE_MAX_SLOTS)
+    """Whether a forward of ``num_slots`` slots takes the decode path: `decodes` and few slots."""
+    return decodes(weights.w13.fmt, activation_fmt) and 0 < num_slots <= DECODE_MAX_SLOTS
 
 
 def workspace_buffers(num_slots: int, w13_rows: int, hidden: int) -> dict:
@@ -143,6 +181,10 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor, part: torch.Tens
     gated = activation is not None and activation.is_gated
     n_out = w.data.shape[1] // (2 if gated else 1)
     k = w.k
+    fp8 = w.fmt in FP8_DECODE_FORMATS
+    if fp8 and FP8_GROUP % tile.block_k:
+        raise MoEConfigError(f"fp8 decode tiles need block_k dividing the {FP8_GROUP}-column K step "
+                             f"(got {tile.block_k}); use 32, 64 or 128")
     fused = tile.splits == 1 and out is not None
     has_map = routing.expert_map is not None
     grid = (cdiv(n_out, tile.block_n) * tile.splits, routing.groups)
@@ -157,7 +199,8 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor, part: torch.Tens
         part.stride(0), part.stride(1), *_activation_args(activation),
         GROUPED=routing.grouped, HAS_MAP=has_map, A_ROW_DIV=a_row_div, GATED=gated,
         ACTIVATION=ACTIVATION_CODES[None if activation is None else activation.kind], HAS_BIAS=w.bias is not None,
-        FUSED=fused, SPLITS=tile.splits, E_PAD=experts_pad(routing.num_local), EVEN_K=k % tile.block_k == 0,
+        FUSED=fused, SPLITS=tile.splits, E_PAD=experts_pad(routing.num_local),
+        EVEN_K=k % (FP8_GROUP if fp8 else tile.block_k) == 0,
         IEEE=a.dtype == torch.float32, DOT=tile.dot, ASM=asm, SCALES=QUANT_CODES[w.fmt], BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
@@ -167,7 +210,8 @@ def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
                    activation: Activation, num_local: int, config: DecodeConfig, workspace,
                    out: torch.Tensor) -> torch.Tensor:
     """``out [M, H] = sum_j topk_weights[m, j] * experts_j(x[m])`` over the slots whose expert is
-    here, for MXFP4 or NVFP4 ``weights`` and ``x [M, H]`` in bf16/fp16/fp32 (`uses_decode` must hold)."""
+    here, for MXFP4, NVFP4, fp8_block or fp8_token ``weights`` and unquantized ``x [M, H]`` in
+    bf16/fp16/fp32 (`uses_decode` must hold; fp8 quantizes x and the intermediate inside the GEMMs)."""
     _decode = kernels("decode")
     tokens, top_k = topk_ids.shape
     slots = tokens * top_k
