@@ -1,17 +1,17 @@
-"""Weight-only fp4 decode on a CUDA GPU: the decode kernels (`moe/experts/_triton/decode.py`) over a
-sweep of launch configs, beside the Triton experts' grouped-GEMM path and FlashInfer CUTLASS.
+"""The decode kernels (`moe/experts/_triton/decode.py`) on a CUDA GPU over a sweep of launch configs,
+beside the Triton experts' grouped-GEMM path and FlashInfer CUTLASS.
 
     python benchmarks/mxfp4_decode.py [--out best.json] [--tokens 1,2,4,8,16,32,64] [--budget-s 200]
     python benchmarks/mxfp4_decode.py --preset qwen3-30b-a3b --quant nvfp4 --tokens 1,4,16
 
 A preset's shape (default GPT-OSS-120B: E=128, k=4, H=I=2880, swiglu_oai, biases) and scheme (mxfp4 or
-nvfp4), bf16 activations. Every call is
+nvfp4 weight-only, or fp8_block W8A8), bf16 activations. Every call is
 timed inside a CUDA graph (median of many replays, rotating 4 routings). Per M: each candidate
 config's output is checked against the grouped-GEMM path's first (a wrong or failing config is
 listed, never picked); the best config is found coordinate-wise (both GEMMs on one tile, then
-GEMM2's tile alone). The roofline is the weight bytes of the experts hit (4.25 bits per weight)
-over the memory bandwidth (H100 3.0 TB/s, H200 4.2 TB/s); bits per weight: BITS. Prints a markdown table; writes the best
-config per M (`DecodeConfig` fields) and every timing as JSON to --out or $OUT/mxfp4_decode.json.
+GEMM2's tile alone). The roofline is the weight bytes of the experts hit (bits per weight: BITS) over
+the memory bandwidth (H100 3.0 TB/s, H200 4.2 TB/s). Prints a markdown table; writes the best config per
+M (`DecodeConfig` fields) and every timing as JSON to --out or $OUT/mxfp4_decode.json.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from moe.registry import get_experts  # noqa: E402
 from moe.tools.bench import backend_calls, build_weights, make_inputs, time_calls  # noqa: E402
 
 BANDWIDTH_TBS = {"H100": 3.0, "H200": 4.2}
-BITS = {"mxfp4": 4.25, "nvfp4": 4.5}  # the e2m1 code and its share of a block scale (8 bits per 32 or per 16)
+# bits per weight: the code and its share of the block scale (8 bits per 32 or 16; fp8: 32 per 128 x 128)
+BITS = {"mxfp4": 4.25, "nvfp4": 4.5, "fp8_block": 8 + 32 / 128**2}
 # (block_n, block_k, splits, num_warps, num_stages, asm)
 FMA_TILES = [(32, 128, 1, 4, 3, True), (32, 128, 2, 4, 3, True), (32, 128, 4, 4, 3, True), (32, 256, 2, 4, 3, True),
              (64, 128, 1, 4, 3, True), (64, 128, 2, 4, 3, True), (16, 256, 2, 4, 3, True), (64, 64, 4, 4, 4, True),
@@ -56,9 +57,21 @@ def parse_tiles(text: str) -> list[DecodeTile]:
     return tiles
 
 
-def candidates(tokens: int, only: list[DecodeTile] | None = None) -> list[DecodeTile]:
+# fp8 weights (n, k, splits, warps, stages): block_k divides 128, the scale group; no PTX dequantization
+FP8_FMA_TILES = [(64, 64, 4, 4, 3), (64, 128, 2, 4, 3), (32, 128, 4, 4, 3), (128, 64, 2, 4, 3), (64, 64, 2, 4, 3),
+                 (32, 64, 4, 4, 3), (64, 128, 4, 4, 3), (128, 32, 4, 4, 3), (64, 32, 8, 4, 3), (32, 128, 2, 4, 4),
+                 (128, 64, 4, 8, 3), (64, 128, 1, 4, 3), (32, 64, 2, 4, 3)]
+FP8_DOT_TILES = [(64, 128, 1, 4, 3), (64, 128, 2, 4, 3), (128, 128, 1, 8, 3), (32, 128, 2, 4, 3), (64, 128, 4, 4, 3),
+                 (128, 128, 2, 8, 3), (64, 64, 2, 4, 3)]
+
+
+def candidates(tokens: int, only: list[DecodeTile] | None = None, quant: str = "mxfp4") -> list[DecodeTile]:
     if only:
         return list(only)
+    if quant == "fp8_block":
+        block_m = 1 if tokens == 1 else 4
+        tiles = [DecodeTile(n, k, s, block_m, False, False, w, st) for n, k, s, w, st in FP8_FMA_TILES] if tokens <= 16 else []
+        return tiles + [DecodeTile(n, k, s, 16, True, False, w, st) for n, k, s, w, st in FP8_DOT_TILES]
     tiles = []
     if tokens <= 16:
         block_m = 1 if tokens == 1 else 2
@@ -100,7 +113,7 @@ class Sweep:
             return value if isinstance(value, float) else None
         if time.monotonic() > self.deadline:
             return None
-        triton_experts.decode_config = lambda m: config
+        triton_experts.decode_config = triton_experts.fp8_decode_config = lambda m: config
         try:
             calls = backend_calls(self.cls, self.problem, None, self.inputs, self.device, experts=self.experts,
                                   prepared=self.prepared)
@@ -116,7 +129,7 @@ class Sweep:
         return us
 
     def best(self, tokens: int, only: list[DecodeTile] | None = None) -> tuple[DecodeConfig | None, float]:
-        tiles = candidates(tokens, only)
+        tiles = candidates(tokens, only, self.problem.quant_name)
         timed = [(self.time(DecodeConfig(t, t)), t) for t in tiles]
         timed = [(us, t) for us, t in timed if us is not None]
         if not timed:
@@ -163,6 +176,7 @@ def main(argv=None) -> int:
     rows, report = [], {"device": torch.cuda.get_device_name(device), "preset": args.preset, "quant": args.quant,
                         "configs": {}, "timings": {}}
     decode_config, uses_decode = triton_experts.decode_config, triton_experts.uses_decode
+    fp8_decode_config = triton_experts.fp8_decode_config
     for m in tokens:
         torch.manual_seed(m)
         inputs = make_inputs(preset, problem, m, 4, device)
@@ -174,7 +188,7 @@ def main(argv=None) -> int:
         triton_experts.uses_decode = uses_decode
         sweep = Sweep(problem, weights, inputs, device, want, deadline)
         config, best = sweep.best(m, parse_tiles(args.tiles) if args.tiles else None)
-        triton_experts.decode_config = decode_config
+        triton_experts.decode_config, triton_experts.fp8_decode_config = decode_config, fp8_decode_config
         fi = peer_us("flashinfer_cutlass", problem, weights, inputs, device, platform)
         report["timings"][m] = sweep.results
         report["configs"][m] = None if config is None else dataclasses.asdict(config)
