@@ -2,7 +2,7 @@
 shape at M = 1, 16, 64 against the reference experts, both dequantizations (packed bf16x2 PTX and
 float32 math) and both program kinds. NVFP4 (weight-only): Qwen3- and GPT-OSS-like shapes at M = 1, 3,
 16 with block scales over e4m3's whole range, the PTX against the float32 math bit for bit and against
-the weight-only reference. fp8_block and fp8_token W8A8: Qwen3-30B-A3B's shape at M = 1, 4, 16, 64
+the weight-only reference. fp8_block and fp8_token W8A8: Qwen3-30B-A3B's shape at M = 1, 4, 16, 32
 against the grouped-GEMM path of the scheme and the reference, the default configs and both program
 kinds. All: CUDA-graph replay bit-equal to eager, no host sync."""
 
@@ -74,9 +74,11 @@ def qwen3(tokens, quant="fp8_block"):
     return problem(quant, "silu", E=128, k=8, H=2048, I=768, max_tokens=tokens)
 
 
-@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("most", [False, True], ids=["one-token", "most-tokens"])
 @pytest.mark.parametrize("shape", [gpt_oss, qwen3], ids=["gpt-oss-mxfp4", "qwen3-fp8-block"])
-def test_decode_cuda_graph_replay_equals_eager(tokens, shape):
+def test_decode_cuda_graph_replay_equals_eager(most, shape):
+    """One token, and the most tokens the decode path takes (DECODE_MAX_SLOTS slots)."""
+    tokens = decode.DECODE_MAX_SLOTS // shape(1).top_k if most else 1
     p = shape(tokens)
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(weights_for(p))
@@ -163,7 +165,7 @@ FP8_FMA = DecodeTile(32, 64, 2, 4, dot=False, asm=False)
 FP8_DOT = DecodeTile(64, 128, 2, 16, dot=True, asm=False)
 
 
-@pytest.mark.parametrize("tokens", [1, 4, 16, 64])
+@pytest.mark.parametrize("tokens", [1, 4, 16, 32])  # 32 x k = 8: DECODE_MAX_SLOTS, the decode path's last M
 @pytest.mark.parametrize("tiles", [None, (FP8_FMA, FP8_DOT), (FP8_DOT, FP8_FMA)], ids=["default", "fma", "dot"])
 @pytest.mark.parametrize("quant", ["fp8_block", "fp8_token"])
 def test_qwen3_fp8_decode_matches_grouped_gemm_and_reference(quant, tokens, tiles, monkeypatch):

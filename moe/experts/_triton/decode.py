@@ -83,16 +83,14 @@ DECODE_CONFIGS = {
 }
 
 
-# fp8 W8A8 (fp8_block and fp8_token), by M as above. Not timed yet (written without a GPU): guesses from
-# the MXFP4 sweep and the register budget of the FMA accumulator ([block_m, block_k, block_n] fp32, twice
-# when gated), for Qwen3-30B-A3B on an H100 (gemm1 2 x 768 x 2048, gemm2 2048 x 768; 132 SMs): M = 1,
-# 8 slots, 4 splits x 12 tiles of gemm1 and 2 x 32 of gemm2 per slot keep every SM busy; M = 2..31, up
-# to ~4 slots per expert on FMAs; from 32, 16-row tensor-core programs (e4m3 x e4m3 MMA, as the grouped
-# GEMM)
+# fp8 W8A8 (fp8_block and fp8_token), by M as above: the fastest of benchmarks/mxfp4_decode.py's sweep on an
+# H100 (--quant fp8_block, Qwen3-30B-A3B at M = 1, 4, 16 and the DeepSeek-V3 EP8 slice at M = 1, 16; 20
+# candidates at M <= 16, FMA and tensor-core tiles; benchmarks/results/fp8_decode_nvidia-h100.md). Tensor
+# cores won everywhere, one token too (the swapped MMA pads activation rows, not weight rows). M = 1 takes
+# Qwen3's best (DeepSeek's own best is 2% faster there); from 2 tokens one tile is best or within 1% for both.
 FP8_DECODE_CONFIGS = {
-    1: DecodeConfig(DecodeTile(64, 64, 4, 1, False, False, 4, 3), DecodeTile(64, 128, 2, 1, False, False, 4, 3)),
-    2: DecodeConfig(DecodeTile(32, 64, 2, 4, False, False, 4, 3), DecodeTile(32, 64, 2, 4, False, False, 4, 3)),
-    32: DecodeConfig(DecodeTile(64, 128, 2, 16, True, False, 4, 3), DecodeTile(64, 128, 2, 16, True, False, 4, 3)),
+    1: DecodeConfig(DecodeTile(128, 128, 2, 16, True, False, 8, 3), DecodeTile(128, 128, 2, 16, True, False, 8, 3)),
+    2: DecodeConfig(DecodeTile(128, 128, 1, 16, True, False, 8, 3), DecodeTile(128, 128, 1, 16, True, False, 8, 3)),
 }
 
 
