@@ -39,8 +39,11 @@ demo: $(BASE)
 # Without a GPU, Triton kernels run in its CPU interpreter (set before anything imports triton)
 INTERPRET := $(if $(shell command -v nvidia-smi 2>/dev/null),,TRITON_INTERPRET=1)
 
+# JOBS pytest workers (pytest-xdist): the CI machine's 2 cores; the interpreter tests are CPU-bound Python
+JOBS ?= 2
+
 test: $(TESTS)
-	$(INTERPRET) $(BIN)/python -m pytest -q
+	$(INTERPRET) $(BIN)/python -m pytest -q -n $(JOBS)
 
 # regenerate the support table in docs/writing-a-backend.md from the capability declarations
 docs: $(BASE)

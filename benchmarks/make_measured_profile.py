@@ -53,6 +53,8 @@ MACHINES = {
         "bf16_tma_a_tables_nvidia-h100.json": ("records", None),  # after the H100 bf16 tables (Mixtral, DeepSeek)
         # session 7: H100 tables for GPT-OSS bf16 / fp8_block and the DeepSeek slice's fp8_block
         "bf16_fp8_block_gpt-oss_deepseek_tuned_nvidia-h100.json": ("records", None),
+        "fp8_decode_tuned_bench_nvidia-h100.json": ("records", None),  # after fp8 W8A8 moved to the decode kernels
+        "bf16_all_presets_session7_nvidia-h100.json": ("records", None),  # bf16, all four presets, session 7's tables
     }, "measured on nvidia-h100 (2026-11-25) by python -m moe bench --json"),
 }
 

@@ -88,7 +88,8 @@ def bandwidth(device) -> float:
 
 def roofline_us(problem, inputs, device, bits: float) -> float:
     hits = sum(t.ids.unique().numel() for _, t in inputs) / len(inputs)
-    per_expert = (problem.w13_rows + problem.hidden_size) * problem.intermediate_size * bits / 8
+    # w13 [w13_rows, H] and w2 [H, I] (session 7 fixed this: it read (w13_rows + H) * I, the same only where H = I)
+    per_expert = problem.hidden_size * (problem.w13_rows + problem.intermediate_size) * bits / 8
     return hits * per_expert / bandwidth(device) * 1e6
 
 

@@ -65,8 +65,8 @@ def test_h100_profile_holds_every_record_of_the_h100_bench_files():
 
 def test_h100_plan_for_qwen3_decode_cites_an_h100_measurement_and_takes_its_fastest():
     """Qwen3-30B-A3B bf16 at M=1 on an H100: the plan reads measured-h100.yaml (not the H200 sibling)
-    and picks the backend the committed H100 bench timed fastest."""
-    times = _cells("bf16_qwen3_mixtral_nvidia-h100.json")[("qwen3-30b-a3b", "bf16")][1]
+    and picks the backend the committed H100 benches timed fastest (a later file's time replacing an earlier's)."""
+    times = _cells(*_script().MACHINES["nvidia-h100"].sources)[("qwen3-30b-a3b", "bf16")][1]
     problem = load_preset("qwen3-30b-a3b").problem(quant="bf16", max_tokens=1)
     (bucket,) = plan(problem, Platform.preset("h100"), Policy(buckets=(1,))).buckets
     assert bucket.chosen.pair.experts == min(times, key=times.get)
