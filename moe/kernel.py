@@ -76,6 +76,7 @@ class ModularKernel:
         self._layouts: tuple[WorkspaceLayout, ...] = ()  # the workspace of each bucket
         self._views: tuple[dict[str, Workspace], ...] = ()  # and its views, taken at load
         self._generation = -1  # the manager's generation the views were taken from
+        self._writes_result = False  # the experts write each forward's result into a fresh "out" (load)
         prepare_finalize.load(self.workspace.device)  # the load step: its tables on this device
 
     def __repr__(self) -> str:
@@ -115,6 +116,7 @@ class ModularKernel:
         layouts = tuple(self.workspace_shapes(edge) for edge in edges)
         views = self._taken(layouts)  # all or nothing: a load that fails leaves the kernel as it was
         self._edges, self._layouts, self._views, self._prepared = edges, layouts, views, prepared
+        self._writes_result = self._result_in_out(views[0][_EXPERTS])
 
     @property
     def prepared_weights(self) -> Any:
@@ -211,17 +213,19 @@ class ModularKernel:
                         fresh)
         return self.prepare_finalize.finalize_reduced(output.out, join(shared_output), owned=output.owned)
 
+    def _result_in_out(self, space: Workspace) -> bool:
+        """Whether finalize returns an owned output and the experts reduce into an ``"out"`` of ``[rows, H]``
+        in the layer's dtype (decided at load: the same for every bucket's views)."""
+        p, out = self.problem, space.get("out")
+        return (self.prepare_finalize.returns_owned_output and self.experts.capabilities.output is OutputKind.REDUCED
+                and out is not None and out.dtype == p.dtype and out.dim() == 2 and out.shape[1] == p.hidden_size)
+
     def _experts_space(self, space: Workspace, hidden: torch.Tensor) -> tuple[Workspace, torch.Tensor | None]:
-        """The experts' workspace for ``hidden [M, H]``: where finalize returns an owned output and the
-        experts reduce into an ``"out"`` of ``[>= M, H]`` in the layer's dtype, that buffer is replaced
-        by a fresh ``[M, H]`` tensor (also returned) -- the experts write the forward's result directly."""
-        p = self.problem
-        out = space.get("out")
-        if (not self.prepare_finalize.returns_owned_output or self.experts.capabilities.output is not OutputKind.REDUCED
-                or out is None or out.dtype != p.dtype or out.dim() != 2 or out.shape[1] != p.hidden_size
-                or out.shape[0] < hidden.shape[0]):
+        """The experts' workspace for ``hidden [M, H]``: where they write the result (`_result_in_out`), its
+        ``"out"`` replaced by a fresh ``[M, H]`` tensor (also returned) -- the forward's result directly."""
+        if not self._writes_result:
             return space, None
-        fresh = torch.empty((hidden.shape[0], p.hidden_size), dtype=p.dtype, device=out.device)
+        fresh = torch.empty((hidden.shape[0], self.problem.hidden_size), dtype=self.problem.dtype, device=hidden.device)
         return space.replacing(out=fresh), fresh
 
     def _check_hidden(self, hidden: torch.Tensor, shared_output: torch.Tensor | PendingShared | None) -> None:

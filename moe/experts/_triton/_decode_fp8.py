@@ -23,8 +23,9 @@ import triton.language as tl
 
 from moe.experts._triton._lang import sum_
 from moe.experts._triton._rows import _group_scales, _row_scales, _to_e4m3
+from moe.quant.fp8 import FP8_GROUP_SIZE
 
-GROUP = tl.constexpr(128)  # the activation group and the weight block along K
+GROUP = tl.constexpr(FP8_GROUP_SIZE)  # the activation group and the weight block along K
 
 
 @triton.jit

@@ -34,11 +34,11 @@ from moe.experts._triton.gemm import ACTIVATION_CODES, QUANT_CODES
 from moe.experts._triton.weights import TritonWeights, WeightOperand
 from moe.errors import MoEConfigError
 from moe.quant import QuantFormat
+from moe.quant.fp8 import FP8_GROUP_SIZE  # one K step of the fp8 decode loop
 
 DECODE_MAX_SLOTS = 256  # M * k up to this takes the decode path (`decodes`)
 DECODE_FORMATS = (QuantFormat.MXFP4, QuantFormat.NVFP4)  # weight-only: 16-bit activations
 FP8_DECODE_FORMATS = (QuantFormat.FP8_BLOCK, QuantFormat.FP8_ROW)  # W8A8 (fp8_block, fp8_token)
-FP8_GROUP = 128  # fp8_block's activation group along K: one K step of the fp8 decode loop
 MAX_SPLITS = 8  # the partial-sum workspace holds this many K splits
 _EPILOGUE_BLOCK = 1024
 
@@ -180,8 +180,8 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor, part: torch.Tens
     n_out = w.data.shape[1] // (2 if gated else 1)
     k = w.k
     fp8 = w.fmt in FP8_DECODE_FORMATS
-    if fp8 and FP8_GROUP % tile.block_k:
-        raise MoEConfigError(f"fp8 decode tiles need block_k dividing the {FP8_GROUP}-column K step "
+    if fp8 and FP8_GROUP_SIZE % tile.block_k:
+        raise MoEConfigError(f"fp8 decode tiles need block_k dividing the {FP8_GROUP_SIZE}-column K step "
                              f"(got {tile.block_k}); use 32, 64 or 128")
     fused = tile.splits == 1 and out is not None
     has_map = routing.expert_map is not None
@@ -198,7 +198,7 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor, part: torch.Tens
         GROUPED=routing.grouped, HAS_MAP=has_map, A_ROW_DIV=a_row_div, GATED=gated,
         ACTIVATION=ACTIVATION_CODES[None if activation is None else activation.kind], HAS_BIAS=w.bias is not None,
         FUSED=fused, SPLITS=tile.splits, E_PAD=experts_pad(routing.num_local),
-        EVEN_K=k % (FP8_GROUP if fp8 else tile.block_k) == 0,
+        EVEN_K=k % (FP8_GROUP_SIZE if fp8 else tile.block_k) == 0,
         IEEE=a.dtype == torch.float32, DOT=tile.dot, ASM=asm, SCALES=QUANT_CODES[w.fmt], BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
