@@ -215,9 +215,10 @@ def _tile_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(expert, rows): the local expert of sorted block ``pid_m`` (``num_experts`` when the block lies
-    past the last segment) and how many of its rows hold a slot (the rest are padding)."""
+def _block_bounds(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, segment start, slots): the local expert of sorted block ``pid_m`` (``num_experts`` when
+    the block lies past the last segment), the first row of that expert's padded segment and how many
+    of its rows hold a slot."""
     first = pid_m * BLOCK_M
     experts = tl.arange(0, E_PAD)
     is_expert = experts < num_experts
@@ -226,7 +227,15 @@ def _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD: tl.constexpr
     expert = sum_(((ends <= first) & is_expert).to(tl.int32), 0)  # segments ending before it
     count = sum_(tl.where(experts == expert, counts, 0), 0)
     segment_start = sum_(tl.where(experts == expert, ends, 0), 0) - cdiv_(count, BLOCK_M) * BLOCK_M
-    return expert, count - (first - segment_start)
+    return expert, segment_start, count
+
+
+@triton.jit
+def _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, rows): `_block_bounds`' expert and how many of block ``pid_m``'s rows hold a slot (the
+    rest are padding)."""
+    expert, segment_start, count = _block_bounds(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD, BLOCK_M)
+    return expert, count - (pid_m * BLOCK_M - segment_start)
 
 
 @triton.jit
@@ -255,10 +264,13 @@ def moe_gemm_kernel(
     pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if ROWS == _SORTED:  # rows_ptr: sorted slots; ends_ptr, counts_ptr: per local expert
-        expert, valid = _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD, BLOCK_M)
+        expert, segment_start, count = _block_bounds(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD, BLOCK_M)
         if expert >= num_experts:  # past the last segment
             return
-        row_ok = tl.arange(0, BLOCK_M) < valid
+        # this form of the mask, not `arange(BLOCK_M) < valid rows`: the same rows, but the fp8_block
+        # GEMMs at Qwen3-30B-A3B's shape ran 1.5x slower with that one (H100, M = 4096 and 16384;
+        # benchmarks/results/fp8_block_qwen3_nvidia-h100.md)
+        row_ok = rows - segment_start < count
         slots = tl.load(rows_ptr + rows, mask=row_ok, other=0)  # padding rows read row 0, never stored
         a_rows = slots // A_ROW_DIV
         out_rows = slots
