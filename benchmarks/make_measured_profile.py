@@ -55,6 +55,10 @@ MACHINES = {
         "bf16_fp8_block_gpt-oss_deepseek_tuned_nvidia-h100.json": ("records", None),
         "fp8_decode_tuned_bench_nvidia-h100.json": ("records", None),  # after fp8 W8A8 moved to the decode kernels
         "bf16_all_presets_session7_nvidia-h100.json": ("records", None),  # bf16, all four presets, session 7's tables
+        # session 8: triton fp8_block and bf16 after the grouped GEMM's row-mask fix (Qwen3, DeepSeek, GPT-OSS)
+        "fp8_vs_bf16_qwen3-30b-a3b_mask_fix_nvidia-h100.json": ("records", None),
+        "fp8_vs_bf16_deepseek-v3-ep8-slice_mask_fix_nvidia-h100.json": ("records", None),
+        "fp8_vs_bf16_gpt-oss-120b_mask_fix_nvidia-h100.json": ("records", None),
     }, "measured on nvidia-h100 (2026-11-25) by python -m moe bench --json"),
 }
 
