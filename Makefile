@@ -39,11 +39,13 @@ demo: $(BASE)
 # Without a GPU, Triton kernels run in its CPU interpreter (set before anything imports triton)
 INTERPRET := $(if $(shell command -v nvidia-smi 2>/dev/null),,TRITON_INTERPRET=1)
 
-# JOBS pytest workers (pytest-xdist): the CI machine's 2 cores; the interpreter tests are CPU-bound Python
+# JOBS pytest workers (pytest-xdist): the CI machine's 2 cores; the interpreter tests are CPU-bound Python.
+# worksteal: a worker that runs out takes half of the other's queue; with the default (load) one worker
+# sat idle for ~90 s at the end while the other still held a queue of the slow interpreter tests
 JOBS ?= 2
 
 test: $(TESTS)
-	$(INTERPRET) $(BIN)/python -m pytest -q -n $(JOBS)
+	$(INTERPRET) $(BIN)/python -m pytest -q -n $(JOBS) --dist worksteal
 
 # regenerate the support table in docs/writing-a-backend.md from the capability declarations
 docs: $(BASE)
