@@ -9,10 +9,10 @@ options; each distinct launch then compiles for the GPU, in its recorded dtype a
 float16, in bfloat16 (see moe/testing/triton_launches.py). A ``@triton.jit`` function that no
 recorded launch reaches fails the test: a new kernel needs its launch in `SCENARIOS` (one line).
 
-Cost: ~15 s of recording and 139 compile jobs (58 full compiles for sm90 at ~0.4 s, 12 for sm80, 69
-frontends at ~0.03 s) in two worker processes, which compile while the scenarios record: 73-94 s on
-this 2-core machine with other jobs running on it; less when Triton's cache (~/.triton) already
-holds the unchanged kernels.
+Cost: ~15 s of recording and 201 compile jobs (session 8: 84 full compiles for sm90 at ~0.4 s, 18 for
+sm80, 99 frontends at ~0.03 s) in two worker processes, which compile while the scenarios record. Cold,
+that is over a minute on this 2-core machine. With Triton's cache (~/.triton) already holding the
+unchanged kernels it took 21-25 s.
 """
 
 import os
