@@ -10,9 +10,8 @@ float16, in bfloat16 (see moe/testing/triton_launches.py). A ``@triton.jit`` fun
 recorded launch reaches fails the test: a new kernel needs its launch in `SCENARIOS` (one line).
 
 Cost: ~15 s of recording and 201 compile jobs (session 8: 84 full compiles for sm90 at ~0.4 s, 18 for
-sm80, 99 frontends at ~0.03 s) in two worker processes, which compile while the scenarios record. Cold,
-that is over a minute on this 2-core machine. With Triton's cache (~/.triton) already holding the
-unchanged kernels it took 21-25 s.
+sm80, 99 frontends at ~0.03 s) in two worker processes, which compile while the scenarios record. With
+Triton's cache (~/.triton) holding the unchanged kernels it took 21-25 s; a cold cache compiles them all.
 """
 
 import os
