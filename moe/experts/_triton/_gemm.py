@@ -267,9 +267,9 @@ def moe_gemm_kernel(
         expert, segment_start, count = _block_bounds(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD, BLOCK_M)
         if expert >= num_experts:  # past the last segment
             return
-        # this form of the mask, not `arange(BLOCK_M) < valid rows`: the same rows, but the fp8_block
-        # GEMMs at Qwen3-30B-A3B's shape ran 1.5x slower with that one (H100, M = 4096 and 16384;
-        # benchmarks/results/fp8_block_qwen3_nvidia-h100.md)
+        # this form of the mask, not `arange(BLOCK_M) < valid rows`: the same rows, but with that one the
+        # gated fp8_block GEMM (255 registers) spilled and ran 1.5x slower at Qwen3-30B-A3B's shape (H100,
+        # M = 4096 and 16384; benchmarks/results/fp8_block_qwen3_nvidia-h100.md)
         row_ok = rows - segment_start < count
         slots = tl.load(rows_ptr + rows, mask=row_ok, other=0)  # padding rows read row 0, never stored
         a_rows = slots // A_ROW_DIV
