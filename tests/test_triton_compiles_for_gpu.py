@@ -52,6 +52,7 @@ from moe.workspace import WorkspaceManager, WorkspaceShapes  # noqa: E402
 from tests.test_routing_kernel import ROUTERS  # noqa: E402
 from tests.test_triton import make_problem, make_topk, make_weights, run_experts  # noqa: E402
 from tests.test_triton_weight_only import run as run_prepared  # noqa: E402
+from tests.test_triton_wgmma import gather_with_scales  # noqa: E402
 
 BOTH = {False, True}
 
@@ -155,6 +156,7 @@ SCENARIOS = {
     "mxfp4 decode grouped dot, one split": lambda: decode(3, DOT_TILES, activation="silu"),
     "batched fp8 tensor": lambda: batched("fp8"),
     "batched mxfp4": lambda: batched("mxfp4", "swiglu_oai", bias=True),
+    "gather fp8 rows with their scales (wgmma tiles)": lambda: gather_with_scales(top_k=2),
     "align two launches": lambda: align(4100, with_map=False),
     "align two launches expert map": lambda: align(4100, with_map=True),
     **{f"route {name}": (lambda name=name: route(name)) for name in ROUTINGS},
@@ -171,7 +173,7 @@ SWITCHES = {
            "ACTIVATION": set(ACTIVATION_CODES.values()), "GATED": BOTH, "WEIGHT_ONLY": BOTH, "HAS_BIAS": BOTH,
            "HAS_MAP": BOTH, "EVEN_K": BOTH, "IEEE": BOTH, "W_TMA": BOTH},
     TMA_A_GEMM: {"GATED": BOTH, "OUT_SORTED": BOTH, "HAS_BIAS": BOTH, "IEEE": BOTH},
-    "moe.experts._triton._gemm_tma_a.gather_rows_kernel": {"A_ROW_DIV": {2, 3}},
+    "moe.experts._triton._gemm_tma_a.gather_rows_kernel": {"A_ROW_DIV": {2, 3}, "HAS_SCALES": BOTH},
     "moe.experts._triton._rows.fp8_quant_kernel": {"MODE": set(FP8_MODES.values()), "VALID": {0, 1, 2}},
     "moe.experts._triton._rows.combine_kernel": {"CHECK_LOCAL": BOTH},
     "moe.experts._triton._align.align_fused_kernel": {"HAS_MAP": BOTH},

@@ -13,6 +13,9 @@ One forward, all on the GPU, no host sync, CUDA-graph capturable (shapes depend 
     gemm2      y[slot] = inter[slot] @ w2[e].T + b2[e]
     combine    out[token] = sum_j topk_weights[token, j] * y[token*k + j]     (_triton/rows.py)
 
+    (tma_a tiles gather the rows into sorted order first, _triton/gemm_tma_a.py; fp8_block wgmma tiles
+    too, with their scales, and run both GEMMs as a Gluon kernel, _triton/gemm_wgmma.py)
+
 Schemes: bf16/fp16/fp32, fp8 e4m3 W8A8 per tensor / per token+channel / 128-block, and MXFP4
 weights with unquantized activations (W4A16, dequantized tile by tile inside the GEMM). Weight-only
 (`support.STANDARD_MODES`): NVFP4 weights with unquantized activations everywhere (the same
@@ -34,7 +37,9 @@ from moe.experts._triton.decode import fp8_decode_config
 from moe.experts._triton.decode import workspace_buffers as decode_buffers
 from moe.experts._triton.gemm import DirectRows, SortedRows, grouped_gemm
 from moe.experts._triton.gemm_tma_a import sorted_tma_a_gemms, workspace_rows
-from moe.experts._triton.rows import RowValidity, combine_slots_kernel
+from moe.experts._triton.gemm_wgmma import sorted_wgmma_gemms
+from moe.experts._triton import cdiv
+from moe.experts._triton.rows import GROUP, RowValidity, combine_slots_kernel
 from moe.experts._triton.support import (
     COMMON_CAPABILITIES,
     STANDARD_MODES,
@@ -49,6 +54,7 @@ from moe.experts._triton.support import (
 from moe.experts._triton.weights import TritonWeights, prepare_triton_weights
 from moe.experts.base import Capabilities, Experts
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
+from moe.errors import MoEConfigError
 from moe.platform import Platform
 from moe.problem import MoEProblem
 from moe.quant import QuantFormat
@@ -94,15 +100,21 @@ class TritonExperts(Experts):
         tokens = dispatch.max_rows
         slots = tokens * p.top_k
         act = activation_format(p, None)  # an upper bound: fp8 buffers even where fp8 runs weight-only
-        # dense problems may run tma_a tiles, whose inter and y hold every row of a layout, padding included
-        rows = slots if p.quant.is_quantized else workspace_rows(slots, p.local_num_experts)
+        # dense problems may run tma_a tiles and fp8_block ones wgmma tiles: their inter and y hold every
+        # row of a layout, padding included
+        sorted_rows = act is QuantFormat.FP8_BLOCK or not p.quant.is_quantized
+        rows = workspace_rows(slots, p.local_num_experts) if sorted_rows else slots
+        wgmma = {}  # the sorted rows' scales, group-major (gemm_wgmma.py)
+        if act is QuantFormat.FP8_BLOCK:
+            wgmma["x_sorted_scale"] = ((cdiv(p.hidden_size, GROUP) * rows,), torch.float32)
         return WorkspaceShapes.of(
             out=((tokens, p.hidden_size), p.dtype),
             inter=((rows, p.intermediate_size), p.dtype),
             y=((rows, p.hidden_size), p.dtype),
             **align_buffers(slots, p.local_num_experts, BLOCK_MS),
             **quant_buffers(act, "x", tokens, p.hidden_size),
-            **quant_buffers(act, "inter", slots, p.intermediate_size),
+            **quant_buffers(act, "inter", rows, p.intermediate_size),
+            **wgmma,
             **(decode_buffers(slots, p.w13_rows, p.hidden_size) if decodes(p.quant.weight, act) else {}),
         )
 
@@ -135,6 +147,12 @@ class TritonExperts(Experts):
             x, x_scale = quantize_activation(x, act, "x", workspace, RowValidity())
         if config.gemm1.tma_a:  # A by TMA from rows gathered in sorted order first (gemm_tma_a.py)
             y = sorted_tma_a_gemms(x, weights.w13, weights.w2, layout, p.activation, config, workspace, slots, k)
+        elif config.gemm1.wgmma:  # fp8_block, the pipelined-wgmma GEMMs on sorted rows (gemm_wgmma.py)
+            if act is not QuantFormat.FP8_BLOCK:
+                raise MoEConfigError(f"wgmma=True configs run fp8_block activations and weights (the GEMMs read "
+                                     f"{act.value}); use a config without wgmma for {p.quant.name}")
+            y = sorted_wgmma_gemms(x, x_scale, weights.w13, weights.w2, layout, p.activation, config, workspace,
+                                   slots, k)
         else:
             inter = workspace["inter"][:slots]
             grouped_gemm(x, x_scale, weights.w13, inter, rows1, p.activation, config.block_m, config.gemm1)

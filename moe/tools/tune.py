@@ -99,6 +99,22 @@ def candidate_tiles(block_m: int, wide_output: bool, scheme: str, rows_per_exper
     return [t for t in tiles if not (block_m == 128 and t.num_warps == 4 and t.block_n >= 128)]
 
 
+def wgmma_candidates(scheme: str, rows_per_expert: float, capability: tuple[int, int]) -> list[LaunchConfig]:
+    """Whole-stage configs of the pipelined-wgmma GEMMs (gemm_wgmma.py): fp8_block on SM90, where blocks of
+    64+ rows fill. They go straight to the end-to-end round of `tune_bucket`: their GEMM1 includes the gather
+    and their GEMM2 reads rows only a wgmma GEMM1 writes, so they pair only with each other. The first two
+    were the fastest of session 9's H100 runs (benchmarks/results/fp8_block_wgmma_nvidia-h100.md)."""
+    if scheme != "fp8_block" or capability != (9, 0) or rows_per_expert < 32:
+        return []
+
+    def config(block_m: int, gemm1_n: int, gemm2_n: int, warps: int, stages: int = 4) -> LaunchConfig:
+        tile = TileConfig(gemm1_n, 128, 8, warps, stages, tma=True, wgmma=True)
+        return LaunchConfig(block_m, tile, dataclasses.replace(tile, block_n=gemm2_n))
+
+    return [config(64, 64, 128, 4), config(128, 64, 128, 8), config(64, 32, 128, 4), config(64, 64, 256, 8),
+            config(128, 64, 128, 8, stages=3)]
+
+
 # --- one shape ---------------------------------------------------------------------------------------
 
 
@@ -235,9 +251,9 @@ def time_configs(case: TuneCase, configs: list[LaunchConfig], rounds: int = 3) -
 def tune_bucket(case: TuneCase, scheme: str, pool: ProcessPoolExecutor, device, label: str,
                 current: LaunchConfig | None = None, finalists: int = 3) -> tuple[LaunchConfig, float]:
     """The fastest config for this M: each GEMM's tiles timed apart, per candidate BLOCK_M; then the
-    ``finalists`` best plans and the table's ``current`` one timed end to end (`time_configs`), which
-    decides -- a tile timed alone can rank differently from the whole stage, and a re-tune should
-    never replace a config by one that is slower where it counts."""
+    ``finalists`` best plans, the `wgmma_candidates` and the table's ``current`` one timed end to end
+    (`time_configs`), which decides -- a tile timed alone can rank differently from the whole stage, and a
+    re-tune should never replace a config by one that is slower where it counts."""
     p = case.problem
     tokens = case.inputs[0][0].shape[0]
     rows_per_expert = tokens * p.top_k / p.local_num_experts
@@ -258,6 +274,7 @@ def tune_bucket(case: TuneCase, scheme: str, pool: ProcessPoolExecutor, device, 
     if not ranked:
         raise RuntimeError(f"no candidate config ran for {label}")
     finals = [c for _, c in sorted(ranked, key=lambda uc: uc[0])[:finalists]]
+    finals += wgmma_candidates(scheme, rows_per_expert, torch.cuda.get_device_capability(device))
     if current is not None and current not in finals:
         finals.append(current)
     times = time_configs(case, finals)

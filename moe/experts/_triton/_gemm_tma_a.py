@@ -22,9 +22,13 @@ from moe.experts._triton._gemm import _activate, _block_segment, _dot, _tile_coo
 
 @triton.jit(do_not_specialize=["num_experts"])
 def gather_rows_kernel(src_ptr, dst_ptr, rows_ptr, ends_ptr, counts_ptr, num_experts, K, stride_sm, stride_sk, stride_dm,
-                       A_ROW_DIV: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                       scale_src_ptr, scale_dst_ptr, stride_ssm, stride_ssg, stride_dsg, groups,
+                       A_ROW_DIV: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                       HAS_SCALES: tl.constexpr, GROUPS_PAD: tl.constexpr):
     """``dst[r] = src[slot[r] // A_ROW_DIV]`` for the rows of block ``program_id(0)``; padding rows copy
-    row 0 (finite values, whose products are never stored); blocks past the last segment are skipped."""
+    row 0 (finite values, whose products are never stored); blocks past the last segment are skipped.
+    ``HAS_SCALES``: the rows' scales too, transposed: ``scale_dst[g, r] = scale_src[slot[r] // A_ROW_DIV, g]``
+    (by the programs of the first column block)."""
     pid_m = tl.program_id(0)
     expert, valid = _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD, BLOCK_M)
     if expert < num_experts:
@@ -36,6 +40,12 @@ def gather_rows_kernel(src_ptr, dst_ptr, rows_ptr, ends_ptr, counts_ptr, num_exp
         col_ok = (cols < K)[None, :]
         x = tl.load(src_ptr + src_rows[:, None] * stride_sm + cols[None, :] * stride_sk, mask=col_ok, other=0.0)
         tl.store(dst_ptr + dst_rows[:, None] * stride_dm + cols[None, :], x, mask=col_ok)
+        if HAS_SCALES:
+            if tl.program_id(1) == 0:
+                g = tl.arange(0, GROUPS_PAD)[None, :]
+                g_ok = g < groups
+                s = tl.load(scale_src_ptr + src_rows[:, None] * stride_ssm + g * stride_ssg, mask=g_ok, other=1.0)
+                tl.store(scale_dst_ptr + g * stride_dsg + dst_rows[:, None], s, mask=g_ok)
 
 
 @triton.jit

@@ -40,11 +40,19 @@ class TileConfig:
     # A tiles by TMA too, from rows gathered into sorted order by a separate kernel first
     # (gemm_tma_a.py): dense weights in the activations' dtype, the standard format's sorted path
     tma_a: bool = False
+    # fp8_block on SM90: the Gluon GEMM whose K steps overlap one step's wgmma with the previous step's
+    # scaling (gemm_wgmma.py): A gathered into sorted order, both operands by TMA into a ring of
+    # num_stages buffers, one 128-column scale group per K step. Set on both GEMMs or neither.
+    wgmma: bool = False
 
     def __post_init__(self):
         if self.tma_a and not self.tma:
             raise MoEConfigError(f"tma_a=True needs tma=True: the TMA-A GEMM loads the weight tiles by TMA "
                                  f"too (got {self})")
+        if self.wgmma and (self.block_k != 128 or self.num_stages < 3 or self.tma_a or self.num_warps not in (4, 8)):
+            raise MoEConfigError(f"wgmma=True tiles take block_k=128 (one scale group per K step), num_stages >= 3 "
+                                 f"(loads run num_stages - 2 steps ahead), num_warps 4 or 8, and tma_a=False "
+                                 f"(got {self})")
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,9 @@ class LaunchConfig:
                                  f"from the intermediate rows the first writes in sorted order (got {self})")
         if self.direct and self.gemm1.tma_a:
             raise MoEConfigError(f"tma_a=True tiles need sorted rows; a direct config has none (got {self})")
+        if self.gemm1.wgmma != self.gemm2.wgmma or (self.direct and self.gemm1.wgmma):
+            raise MoEConfigError(f"wgmma=True is set on both GEMMs of a sorted config or on neither: the second "
+                                 f"GEMM reads the sorted fp8 rows the first writes (got {self})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -21,7 +21,7 @@ import torch
 
 from moe.activation import Activation
 from moe.errors import MoEConfigError
-from moe.experts._triton import cdiv
+from moe.experts._triton import cdiv, next_power_of_2
 from moe.experts._triton.align import BlockLayout, experts_pad, padded_rows
 from moe.experts._triton.config import BLOCK_MS, LaunchConfig, TileConfig
 from moe.experts._triton.gemm import ACTIVATION_CODES, Launch, SortedRows, grouped_gemm
@@ -36,15 +36,24 @@ def workspace_rows(num_slots: int, num_local: int) -> int:
     return padded_rows(num_slots, num_local, BLOCK_MS)
 
 
-def gather_launch(src: torch.Tensor, layout: BlockLayout, a_row_div: int, dst: torch.Tensor) -> Launch:
+def gather_launch(src: torch.Tensor, layout: BlockLayout, a_row_div: int, dst: torch.Tensor,
+                  scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launch:
     """The launch of ``dst[r] = src[slot[r] // a_row_div]`` for the layout's rows
-    (`_gemm_tma_a.gather_rows_kernel`); ``dst`` has at least ``sorted_slots.numel()`` rows."""
+    (`_gemm_tma_a.gather_rows_kernel`); ``dst`` has at least ``sorted_slots.numel()`` rows. ``scales``:
+    ``(src_scale [rows, groups], dst_scale [groups, >= layout rows])``, gathered alike (transposed)."""
     k = src.shape[1]
     num_experts = layout.expert_counts.numel()
+    if scales is None:
+        scale_args, groups = (src, src, 0, 0, 0, 0), 1
+    else:
+        src_scale, dst_scale = scales
+        groups = src_scale.shape[1]
+        scale_args = (src_scale, dst_scale, src_scale.stride(0), src_scale.stride(1), dst_scale.stride(0), groups)
     args = (src, dst, layout.sorted_slots, layout.expert_ends, layout.expert_counts, num_experts, k,
-            src.stride(0), src.stride(1), dst.stride(0))
+            src.stride(0), src.stride(1), dst.stride(0), *scale_args)
     constexprs = dict(A_ROW_DIV=a_row_div, E_PAD=experts_pad(num_experts), BLOCK_M=layout.block_m,
-                      BLOCK_K=_GATHER_BLOCK_K, num_warps=4)
+                      BLOCK_K=_GATHER_BLOCK_K, HAS_SCALES=scales is not None, GROUPS_PAD=next_power_of_2(groups),
+                      num_warps=4)
     return Launch((layout.max_blocks, cdiv(k, _GATHER_BLOCK_K)), args, constexprs,
                   kernel=(_MODULE, "gather_rows_kernel"))
 

@@ -1,0 +1,112 @@
+"""The fp8 128-block grouped GEMMs with a pipelined wgmma (``TileConfig.wgmma``; SM90, Gluon).
+
+The data flow is the TMA-A path's (gemm_tma_a.py) with fp8 operands; every row index is a row of
+the `BlockLayout`, padding included, until the second GEMM scatters to slots::
+
+    gather     x_sorted[r] = x_q[slot[r] // k];  x_scale_sorted[g, r] = x_scale[slot[r] // k, g]
+    gemm1      inter_sorted[r] = act(dequant(x_sorted[r]) @ dequant(w13[e]).T)      (bf16/fp16)
+    quantize   inter_sorted -> e4m3 rows and their scales per 128 columns, as [groups, rows]
+    gemm2      y[slot[r]] = dequant(inter_q[r]) @ dequant(w2[e]).T                 (rows holding a slot)
+
+The scales are stored group-major (``[groups, rows]``) so that a K step reads its BLOCK_M row scales
+contiguously. Both GEMMs are `_gemm_wgmma.moe_gemm_fp8_wgmma_kernel`: why Gluon, in its docstring.
+The twin is `gemm.grouped_gemm_reference` on the dequantized rows; the pointer path
+(``wgmma=False``) computes the same products.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe.activation import Activation
+from moe.errors import MoEConfigError
+from moe.experts._triton import cdiv
+from moe.experts._triton.align import BlockLayout, experts_pad
+from moe.experts._triton.config import LaunchConfig, TileConfig
+from moe.experts._triton.gemm import ACTIVATION_CODES, Launch
+from moe.experts._triton.gemm_tma_a import gather_launch
+from moe.experts._triton.rows import GROUP, quantize_fp8_rows
+from moe.experts._triton.weights import WeightOperand
+from moe.quant import QuantFormat
+
+_MODULE = "gemm_wgmma"
+
+
+def check_wgmma_operands(w: WeightOperand, tile: TileConfig, gated: bool) -> None:
+    """What the kernel assumes of the weights and the tile: e4m3 128x128-block weights, rows in whole
+    16-byte TMA rows, and each weight scale serving whole column halves of the tile."""
+    if w.fmt is not QuantFormat.FP8_BLOCK or w.data.dtype != torch.float8_e4m3fn:
+        raise MoEConfigError(f"wgmma=True tiles run fp8_block weights in e4m3 (got {w.fmt.value} in {w.data.dtype}); "
+                             f"use wgmma=False")
+    if w.k % 16:
+        raise MoEConfigError(f"wgmma=True tiles load weight rows by TMA: K must be a multiple of 16 (got {w.k})")
+    n = w.data.shape[1] // 2 if gated else w.data.shape[1]
+    if gated and (128 % tile.block_n or n % tile.block_n):
+        raise MoEConfigError(f"a gated wgmma=True tile's block_n must divide 128 and the intermediate size "
+                             f"{n}, so that each half of the tile has one weight scale (got {tile.block_n})")
+    if not gated and tile.block_n not in (16, 32, 64, 128, 256):
+        raise MoEConfigError(f"wgmma=True tiles need block_n in (16, 32, 64, 128, 256) (got {tile.block_n})")
+
+
+def wgmma_gemm_launch(a_sorted: torch.Tensor, a_scale: torch.Tensor, w: WeightOperand, out: torch.Tensor,
+                      layout: BlockLayout, out_sorted: bool, activation: Activation | None,
+                      tile: TileConfig) -> Launch:
+    """The launch of ``out = act(dequant(a_sorted) @ dequant(w[expert]).T)`` over the layout's blocks:
+    ``a_sorted [rows, K]`` e4m3 in the layout's order, ``a_scale [groups, rows]`` its scales; output row
+    r (``out_sorted``) or ``slot[r]``."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    gated = activation is not None and activation.is_gated
+    check_wgmma_operands(w, tile, gated)
+    block_m = layout.block_m
+    n_out, k = out.shape[1], w.k
+    fp8 = gl.float8e4nv
+    a_desc = TensorDescriptor(a_sorted, list(a_sorted.shape), [a_sorted.stride(0), 1], [block_m, GROUP],
+                              gl.NVMMASharedLayout.get_default_for([block_m, GROUP], fp8))
+    weights = w.data.reshape(-1, k)
+    w_desc = TensorDescriptor(weights, list(weights.shape), [k, 1], [tile.block_n, GROUP],
+                              gl.NVMMASharedLayout.get_default_for([tile.block_n, GROUP], fp8))
+    num_experts = layout.expert_counts.numel()
+    act = activation
+    params = (act.alpha, act.beta, act.limit) if act is not None and act.alpha is not None else (0.0, 0.0, 0.0)
+    bias = w.bias if w.bias is not None else w.scale  # never read without HAS_BIAS
+    bias_strides = tuple(w.bias.stride()) if w.bias is not None else (0, 0)
+    args = (a_desc, w_desc, a_scale, w.scale, bias, out, layout.sorted_slots, layout.expert_ends, layout.expert_counts,
+            layout.max_blocks, num_experts, n_out, k, w.data.shape[1], a_scale.stride(0),
+            *w.scale.stride(), *bias_strides, out.stride(0), out.stride(1), *params)
+    constexprs = dict(
+        GATED=gated, ACTIVATION=ACTIVATION_CODES[None if act is None else act.kind], HAS_BIAS=w.bias is not None,
+        OUT_SORTED=out_sorted,
+        E_PAD=experts_pad(num_experts), BLOCK_M=block_m, BLOCK_N=tile.block_n, GROUP_M=tile.group_m,
+        STAGES=tile.num_stages, num_warps=tile.num_warps,
+    )
+    grid = (layout.max_blocks * cdiv(n_out, tile.block_n),)
+    return Launch(grid, args, constexprs, kernel=(_MODULE, "moe_gemm_fp8_wgmma_kernel"))
+
+
+def sorted_wgmma_gemms(x_q: torch.Tensor, x_scale: torch.Tensor, w13: WeightOperand, w2: WeightOperand,
+                       layout: BlockLayout, activation: Activation, config: LaunchConfig, workspace,
+                       num_slots: int, top_k: int) -> torch.Tensor:
+    """Both GEMMs of a ``wgmma`` config (the module docstring): ``y [num_slots, H]`` in the workspace's
+    ``y``, from ``x_q [M, H]`` e4m3 and ``x_scale [M, H / 128]``; no allocation."""
+    device = x_q.device
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        where = device.type if device.type != "cuda" else f"SM{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+        raise MoEConfigError(f"wgmma=True tiles run on SM90 GPUs (Hopper: warpgroup MMA), not on {where}; "
+                             f"use a config without wgmma here")
+    rows = layout.sorted_slots.numel()
+    hidden, inter_size = x_q.shape[1], w2.k
+    y = workspace["y"]
+    # x_sorted lives in y's bytes: GEMM1 reads it before GEMM2 writes y
+    x_sorted = y.view(torch.uint8)[:rows, :hidden].view(torch.float8_e4m3fn)
+    x_scale_sorted = workspace["x_sorted_scale"][:cdiv(hidden, GROUP) * rows].view(-1, rows)
+    gather_launch(x_q.view(torch.uint8), layout, top_k, x_sorted.view(torch.uint8),
+                  (x_scale, x_scale_sorted)).run()
+    inter = workspace["inter"][:rows]
+    wgmma_gemm_launch(x_sorted, x_scale_sorted, w13, inter, layout, True, activation, config.gemm1).run()
+    inter_q = workspace["inter_q"][:rows]
+    inter_scale = workspace["inter_scale"].view(-1)[:cdiv(inter_size, GROUP) * rows].view(-1, rows)
+    quantize_fp8_rows(inter, QuantFormat.FP8_BLOCK, inter_q, inter_scale.t(), workspace["inter_amax"])
+    wgmma_gemm_launch(inter_q, inter_scale, w2, y[:num_slots], layout, False, None, config.gemm2).run()
+    return y[:num_slots]

@@ -1,0 +1,88 @@
+"""Compile `moe_gemm_fp8_wgmma_kernel` (a Gluon kernel) for sm90 on any machine, and report what ptxas says.
+
+Gluon kernels do not run under Triton's CPU interpreter, so this is how a CPU machine checks them: the
+installed Triton's frontend and its bundled ptxas, as in tests/test_triton_compiles_for_gpu.py. Run it in a
+process of its own (``python -m moe.testing.gluon_compile '<variants as JSON>'``): ``TRITON_INTERPRET`` must
+be off when the kernel module is imported, and `main` turns it off. Prints one JSON line: per variant, the registers, the spilled
+bytes, and whether ptxas serialized the wgmmas (its C7514 "Potential Performance Loss" note), or the error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+DEFAULTS = dict(GATED=True, ACTIVATION=1, HAS_BIAS=False, OUT_SORTED=True, E_PAD=128, BLOCK_M=64, BLOCK_N=64,
+                GROUP_M=8, STAGES=4, num_warps=4)
+
+
+def _signature(fn, consts: dict) -> dict:
+    from triton.experimental.gluon import language as gl
+
+    def desc(rows: int) -> str:
+        return f"tensordesc<fp8e4nv[{rows}, 128],{gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)!r}>"
+
+    types = {"a_desc": desc(consts["BLOCK_M"]), "w_desc": desc(consts["BLOCK_N"]), "a_scale_ptr": "*fp32",
+             "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "alpha": "fp32", "beta": "fp32",
+             "limit": "fp32"}
+    return {n: "constexpr" if n in consts else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
+            for n in fn.arg_names}
+
+
+def _ptxas() -> str:
+    """The ptxas the installed Triton uses for sm90 (Triton 3.9 bundles a newer one as ``ptxas-blackwell``)."""
+    from triton.backends.nvidia import compiler
+
+    if hasattr(compiler, "get_ptxas"):
+        return compiler.get_ptxas(90).path
+    from triton import knobs
+
+    return knobs.nvidia.ptxas.path
+
+
+def compile_variant(overrides: dict) -> dict:
+    """The ptxas report of one variant (`DEFAULTS` updated by ``overrides``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from moe.experts._triton._gemm_wgmma import moe_gemm_fp8_wgmma_kernel as fn
+
+    consts = {**DEFAULTS, **overrides}
+    source = GluonASTSource(fn=fn, signature=_signature(fn, consts),
+                            constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=consts["num_warps"]))
+    ptxas = _ptxas()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "k.ptx")
+        with open(path, "w") as f:
+            f.write(kernel.asm["ptx"])
+        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(folder, "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    return {"registers": int(registers.group(1)) if registers else None,
+            "spill_bytes": int(spills.group(1)) if spills else None,
+            "serialized": "C7514" in log or "wgmma.mma_async instructions are serialized" in log,
+            "wgmma": kernel.asm["ptx"].count("wgmma.mma_async")}
+
+
+def main(argv: list[str]) -> None:
+    # before the kernel module is imported: @gluon.jit and @triton.jit read it when they decorate. Set here,
+    # not at import, so that importing this module (as tests that import every module do) changes nothing
+    os.environ["TRITON_INTERPRET"] = "0"
+    report = {}
+    for overrides in json.loads(argv[0]):
+        try:
+            report[json.dumps(overrides, sort_keys=True)] = compile_variant(overrides)
+        except Exception as error:  # noqa: BLE001 -- reported to the caller, which fails the test
+            report[json.dumps(overrides, sort_keys=True)] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,84 @@
+"""wgmma=True tiles (gemm_wgmma.py, a Gluon kernel) on an SM90 GPU for fp8_block at the presets' shapes: equal to
+the pointer path and to the float32 reference, at ragged small M too (1, 3, 33 tokens: experts hit zero or a few
+times), and a CUDA graph replays them equal to eager without a host sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe.experts._triton.config import LaunchConfig, TileConfig
+from moe.experts.triton import TritonExperts
+from moe.formats import ActivationFormat, Dispatched
+from moe.presets import load_preset
+from moe.quant import QuantizedTensor
+from moe.testing.tolerance import assert_close_moe, regime_for
+from moe.tools.bench import build_weights
+from tests.gpu.test_triton_gpu import assert_replay_equals_eager_without_sync, reference, run, topk_for
+from tests.gpu.test_triton_tma_a_gpu import only
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("triton")
+
+# Qwen3 (128 experts, K = 2048 / 768), the DeepSeek-V3 slice (32 experts, K = 7168 / 2048), GPT-OSS-120B
+# (biases, swiglu_oai, K = 2880: a last scale group of 64 columns)
+PRESETS = ("qwen3-30b-a3b", "deepseek-v3-ep8-slice", "gpt-oss-120b")
+
+
+def wgmma_tiles(block_m=64, num_warps=4, gemm1_n=64, gemm2_n=128, stages=4) -> LaunchConfig:
+    return LaunchConfig(block_m, TileConfig(gemm1_n, 128, 8, num_warps, stages, tma=True, wgmma=True),
+                        TileConfig(gemm2_n, 128, 8, num_warps, stages, tma=True, wgmma=True))
+
+
+def pointer_tiles(block_m=64) -> LaunchConfig:
+    tile = TileConfig(64, 128, 8, 4, 3, tma=True)
+    return LaunchConfig(block_m, tile, tile)
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def layer(request):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma tiles: SM90 (Hopper) only")
+    p = load_preset(request.param).problem(quant="fp8_block", max_tokens=1024)
+    weights = build_weights(p, torch.device("cuda"))
+    experts = TritonExperts(p)
+    return p, experts, experts.prepare_weights(weights), weights
+
+
+def dispatched_for(p, tokens):
+    x = torch.randn(tokens, p.hidden_size, device="cuda", dtype=p.dtype)
+    topk = topk_for(p, tokens)
+    return x, topk, Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=x, scale=None, fmt="none"), topk)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 33, 256, 1024])
+@pytest.mark.parametrize("config", [wgmma_tiles(), wgmma_tiles(128, 8), wgmma_tiles(64, 8, gemm2_n=256),
+                                    wgmma_tiles(64, 4, gemm1_n=32, stages=6)],
+                         ids=["64-w4", "128-w8", "64-w8-n256", "64-w4-n32-s6"])
+def test_wgmma_equals_pointer_path_and_reference(layer, tokens, config):
+    p, experts, prepared, weights = layer
+    x, topk, dispatched = dispatched_for(p, tokens)
+    got = run(experts, dispatched, only(prepared, config, tokens)).float()
+    pointer = run(experts, dispatched, only(prepared, pointer_tiles(config.block_m), tokens)).float()
+    assert torch.isfinite(got).all()
+    # the same products summed in the same K order (128-column steps); only the schedule differs
+    torch.testing.assert_close(got, pointer, atol=1e-2 * pointer.abs().max().item(), rtol=1e-2)
+    if tokens in (3, 256):
+        assert_close_moe(got, reference(p, x, topk, weights), regime_for(p), context=f"{config}")
+
+
+def test_wgmma_cuda_graph_replay_equals_eager(layer):
+    p, experts, prepared, _ = layer
+    assert_replay_equals_eager_without_sync(experts, only(prepared, wgmma_tiles(), 256), p, 256)
+
+
+def test_wgmma_config_rejects_unquantized_problems():
+    """A wgmma tile on a bf16 problem is a clear error, not a wrong result."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("SM90 only")
+    p = load_preset("qwen3-30b-a3b").problem(quant="bf16", max_tokens=64)
+    experts = TritonExperts(p)
+    prepared = experts.prepare_weights(build_weights(p, torch.device("cuda")))
+    _, _, dispatched = dispatched_for(p, 64)
+    with pytest.raises(ValueError, match="wgmma=True configs run fp8_block"):
+        run(experts, dispatched, only(prepared, wgmma_tiles(), 64))
