@@ -59,6 +59,8 @@ MACHINES = {
         "fp8_vs_bf16_qwen3-30b-a3b_mask_fix_nvidia-h100.json": ("records", None),
         "fp8_vs_bf16_deepseek-v3-ep8-slice_mask_fix_nvidia-h100.json": ("records", None),
         "fp8_vs_bf16_gpt-oss-120b_mask_fix_nvidia-h100.json": ("records", None),
+        # session 9: fp8_block with the pipelined-wgmma tiles in the H100 tables at M >= 1024, bf16 beside it
+        "fp8_block_wgmma_bench_nvidia-h100.json": ("records", None),
     }, "measured on nvidia-h100 (2026-11-25) by python -m moe bench --json"),
 }
 
