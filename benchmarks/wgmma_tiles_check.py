@@ -1,78 +1,98 @@
 """GPU (SM90): fp8_block wgmma tiles against the pointer path of the shipped table, in one process: each tile's
 first and second call against the pointer path and (M <= 4096) the float32 reference, and its time (CUDA graphs).
 
-    python benchmarks/wgmma_tiles_check.py qwen3-30b-a3b,deepseek-v3-ep8-slice 1024,4096,16384 \
+    python benchmarks/wgmma_tiles_check.py qwen3-30b-a3b,deepseek-v3-ep8-slice 1024,4096,16384 \\
         '[[64, 64, 128, 4, 4, 8], [128, 64, 128, 8, 4, 8]]'     # [block_m, gemm1 n, gemm2 n, warps, stages, group_m]
 
-Writes $OUT/wg.json (µs per tile and M). Session 9's runs: benchmarks/results/fp8_block_wgmma_nvidia-h100.md.
+Writes $OUT/wg.json (µs per tile and M) and prints the registers and spills of every compiled wgmma kernel.
+Session 9's runs: benchmarks/results/fp8_block_wgmma_nvidia-h100.md.
 """
-import dataclasses, sys, json, os
-import torch, triton
+
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+import triton
+
+from moe.experts._triton import kernels
 from moe.experts._triton.config import ConfigTable, LaunchConfig, TileConfig
 from moe.experts.triton import TritonExperts
 from moe.formats import ActivationFormat, Dispatched, DispatchShape
 from moe.presets import load_preset
 from moe.quant import QuantizedTensor
+from moe.testing.tolerance import assert_close_moe, regime_for
 from moe.tools.bench import build_weights
 from moe.workspace import WorkspaceManager
 from tests.gpu.test_triton_gpu import reference, topk_for
-from moe.testing.tolerance import assert_close_moe, regime_for
 
-presets = sys.argv[1].split(",")
-tokens_list = [int(t) for t in sys.argv[2].split(",")]
-variants = json.loads(sys.argv[3])  # list of [block_m, bn1, bn2, warps, stages, group_m]
-out = {}
-for preset in presets:
-    p = load_preset(preset).problem(quant="fp8_block", max_tokens=max(tokens_list))
-    weights = build_weights(p, torch.device("cuda"))
-    experts = TritonExperts(p)
-    prepared = experts.prepare_weights(weights)
-    checksum = (prepared.w13.data.view(torch.uint8).sum().item(), prepared.w2.data.view(torch.uint8).sum().item())
-    ws = WorkspaceManager("cuda").take(experts.workspace_shapes(DispatchShape(ActivationFormat.STANDARD, max(tokens_list))))
-    for tokens in tokens_list:
-        torch.manual_seed(tokens)
-        x = torch.randn(tokens, p.hidden_size, device="cuda", dtype=p.dtype)
-        topk = topk_for(p, tokens)
-        d = Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=x, scale=None, fmt="none"), topk)
-        def timed(prep):
-            fn = lambda: experts.apply(d, prep, ws)
-            res = fn().out.float().clone()
-            # do_bench_cudagraph's warm-up runs on a side stream that does not wait for this one: without the
-            # sync it overwrites the workspace while this call still runs (what session 9 first took for a bug)
-            torch.cuda.synchronize()
-            return res, triton.testing.do_bench_cudagraph(fn, rep=int(os.environ.get('REP', '200'))) * 1000
-        base, t_base = timed(prepared)
-        row = {"pointer": round(t_base, 1)}
-        print(f"{preset} M={tokens} pointer {t_base:.1f} us  cfg={prepared.configs.lookup(tokens)}", flush=True)
-        if tokens <= 4096:
-            ref = reference(p, x, topk, weights)
-        for bm, bn1, bn2, w, st, gm in variants:
-            cfg = LaunchConfig(bm, TileConfig(bn1, 128, gm, w, st, tma=True, wgmma=True), TileConfig(bn2, 128, gm, w, st, tma=True, wgmma=True))
-            prep = dataclasses.replace(prepared, configs=ConfigTable(prepared.configs.key, ((tokens, cfg),)))
-            try:
-                got, t = timed(prep)
-            except Exception as e:
-                print("  ", (bm, bn1, bn2, w, st, gm), "FAILED", type(e).__name__, str(e)[:300], flush=True)
-                continue
-            again = experts.apply(d, prep, ws).out.float().clone()
-            base2 = experts.apply(d, prepared, ws).out.float().clone()
-            cs = (prepared.w13.data.view(torch.uint8).sum().item(), prepared.w2.data.view(torch.uint8).sum().item())
-            print(f"      again==got {torch.equal(again, got)} again-vs-base {((again - base).abs().max() / base.abs().max()).item():.2e} base2==base {torch.equal(base2, base)} weights {cs == checksum}", flush=True)
-            err = ((got - base).abs().max() / base.abs().max()).item()
-            ok = torch.isfinite(got).all().item()
-            msg = ""
-            if tokens <= 4096:
-                try:
-                    assert_close_moe(got, ref, regime_for(p), context="wgmma"); msg = "ref ok"
-                except AssertionError as e:
-                    msg = "REF FAIL " + str(e)[:200]
-            print(f"   {(bm, bn1, bn2, w, st, gm)} {t:.1f} us ({t_base / t:.2f}x) rel err vs pointer {err:.2e} finite {ok} {msg}", flush=True)
-            row[str((bm, bn1, bn2, w, st, gm))] = round(t, 1)
-        out[f"{preset} {tokens}"] = row
-from moe.experts._triton import kernels
-k = kernels("gemm_wgmma").moe_gemm_fp8_wgmma_kernel
-for dev, caches in k.device_caches.items():
-    for key, kern in caches[0].items():
-        print("compiled:", kern.n_regs, "regs", kern.n_spills, "spills", kern.metadata.num_warps, "warps", str(key)[:0])
-os.makedirs(os.environ.get("OUT", "/tmp"), exist_ok=True)
-json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "wg.json"), "w"), indent=1)
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def timed(experts, dispatched, prepared, ws) -> tuple[torch.Tensor, float]:
+    """(the first call's output, µs per call under CUDA graphs)."""
+    def call():
+        return experts.apply(dispatched, prepared, ws)
+
+    first = call().out.float().clone()
+    # do_bench_cudagraph warms up on a new stream that does not wait for this one: without the sync its calls
+    # overwrite the workspace while the first one still runs (what session 9 first took for a kernel bug)
+    torch.cuda.synchronize()
+    return first, triton.testing.do_bench_cudagraph(call, rep=int(os.environ.get("REP", "200"))) * 1000
+
+
+def wgmma_config(block_m, gemm1_n, gemm2_n, warps, stages, group_m) -> LaunchConfig:
+    tile = TileConfig(gemm1_n, 128, group_m, warps, stages, tma=True, wgmma=True)
+    return LaunchConfig(block_m, tile, dataclasses.replace(tile, block_n=gemm2_n))
+
+
+def main(presets: list[str], tokens_list: list[int], variants: list[list[int]]) -> dict:
+    results = {}
+    for preset in presets:
+        p = load_preset(preset).problem(quant="fp8_block", max_tokens=max(tokens_list))
+        weights = build_weights(p, torch.device("cuda"))
+        experts = TritonExperts(p)
+        prepared = experts.prepare_weights(weights)
+        ws = WorkspaceManager("cuda").take(
+            experts.workspace_shapes(DispatchShape(ActivationFormat.STANDARD, max(tokens_list))))
+        for tokens in tokens_list:
+            torch.manual_seed(tokens)
+            x = torch.randn(tokens, p.hidden_size, device="cuda", dtype=p.dtype)
+            topk = topk_for(p, tokens)
+            dispatched = Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=x, scale=None, fmt="none"), topk)
+            base, base_us = timed(experts, dispatched, prepared, ws)
+            row = {"pointer": round(base_us, 1)}
+            print(f"{preset} M={tokens} pointer {base_us:.1f} us ({prepared.configs.lookup(tokens)})", flush=True)
+            ref = reference(p, x, topk, weights) if tokens <= 4096 else None
+            for variant in variants:
+                config = wgmma_config(*variant)
+                only = dataclasses.replace(prepared, configs=ConfigTable(prepared.configs.key, ((tokens, config),)))
+                got, us = timed(experts, dispatched, only, ws)
+                again = experts.apply(dispatched, only, ws).out.float()
+                verdict = ""
+                if ref is not None:
+                    try:
+                        assert_close_moe(got, ref, regime_for(p), context="wgmma")
+                        verdict = "reference ok"
+                    except AssertionError as error:
+                        verdict = f"REFERENCE FAILS: {str(error)[:200]}"
+                print(f"   {variant} {us:.1f} us ({base_us / us:.2f}x); first call vs pointer "
+                      f"{relative(got, base):.2e}, second call vs pointer {relative(again, base):.2e}; {verdict}",
+                      flush=True)
+                row[str(tuple(variant))] = round(us, 1)
+            results[f"{preset} {tokens}"] = row
+    for caches in kernels("gemm_wgmma").moe_gemm_fp8_wgmma_kernel.device_caches.values():
+        for kernel in caches[0].values():
+            print(f"compiled: {kernel.n_regs} registers, {kernel.n_spills} spills, {kernel.metadata.num_warps} warps")
+    return results
+
+
+if __name__ == "__main__":
+    found = main(sys.argv[1].split(","), [int(t) for t in sys.argv[2].split(",")], json.loads(sys.argv[3]))
+    out = os.environ.get("OUT", "/tmp")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "wg.json"), "w") as f:
+        json.dump(found, f, indent=1)

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from moe.errors import MoEConfigError
+from moe.experts._triton import cdiv
 from moe.experts._triton.align import align_block_size
 from moe.experts._triton.align import workspace_buffers as align_buffers
 from moe.experts._triton.config import BLOCK_MS, ConfigTable
@@ -38,7 +40,6 @@ from moe.experts._triton.decode import workspace_buffers as decode_buffers
 from moe.experts._triton.gemm import DirectRows, SortedRows, grouped_gemm
 from moe.experts._triton.gemm_tma_a import sorted_tma_a_gemms, workspace_rows
 from moe.experts._triton.gemm_wgmma import sorted_wgmma_gemms
-from moe.experts._triton import cdiv
 from moe.experts._triton.rows import GROUP, RowValidity, combine_slots_kernel
 from moe.experts._triton.support import (
     COMMON_CAPABILITIES,
@@ -54,7 +55,6 @@ from moe.experts._triton.support import (
 from moe.experts._triton.weights import TritonWeights, prepare_triton_weights
 from moe.experts.base import Capabilities, Experts
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
-from moe.errors import MoEConfigError
 from moe.platform import Platform
 from moe.problem import MoEProblem
 from moe.quant import QuantFormat

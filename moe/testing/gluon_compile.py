@@ -3,8 +3,9 @@
 Gluon kernels do not run under Triton's CPU interpreter, so this is how a CPU machine checks them: the
 installed Triton's frontend and its bundled ptxas, as in tests/test_triton_compiles_for_gpu.py. Run it in a
 process of its own (``python -m moe.testing.gluon_compile '<variants as JSON>'``): ``TRITON_INTERPRET`` must
-be off when the kernel module is imported, and `main` turns it off. Prints one JSON line: per variant, the registers, the spilled
-bytes, and whether ptxas serialized the wgmmas (its C7514 "Potential Performance Loss" note), or the error.
+be off when the kernel module is imported, and `main` turns it off. Prints one JSON line: per variant, the
+registers, the spilled bytes, and whether ptxas serialized the wgmmas (its C7514 "Potential Performance Loss"
+note), or the error.
 """
 
 from __future__ import annotations

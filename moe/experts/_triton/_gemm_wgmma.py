@@ -120,9 +120,9 @@ def moe_gemm_fp8_wgmma_kernel(
     num_warps: gl.constexpr,
 ):
     """``out = act(dequant(a_sorted) @ dequant(w[expert]).T + bias[expert])`` by (m block, n block) tiles:
-    ``a_desc`` the sorted e4m3 rows ``[rows, K]`` (block ``[BLOCK_M, 128]``), ``a_scale_ptr`` their scales as ``[groups,
-    rows]`` (group stride ``stride_asg``), ``w_desc`` the e4m3 weights as ``[E * R, K]`` (block
-    ``[BLOCK_N, 128]``), ``w_scale_ptr`` the weights' ``[E, R / 128, groups]`` block scales."""
+    ``a_desc`` the sorted e4m3 rows ``[rows, K]`` (block ``[BLOCK_M, 128]``), ``a_scale_ptr`` their scales
+    as ``[groups, rows]`` (group stride ``stride_asg``), ``w_desc`` the e4m3 weights as ``[E * R, K]``
+    (block ``[BLOCK_N, 128]``), ``w_scale_ptr`` the weights' ``[E, R / 128, groups]`` block scales."""
     WIDTH: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N  # columns of one wgmma
     HALF: gl.constexpr = BLOCK_N if GATED else (128 if BLOCK_N > 128 else BLOCK_N)  # columns per weight scale
     pid = gl.program_id(0)

@@ -51,7 +51,7 @@ def check_wgmma_operands(w: WeightOperand, tile: TileConfig, gated: bool) -> Non
 def wgmma_gemm_launch(a_sorted: torch.Tensor, a_scale: torch.Tensor, w: WeightOperand, out: torch.Tensor,
                       layout: BlockLayout, out_sorted: bool, activation: Activation | None,
                       tile: TileConfig) -> Launch:
-    """The launch of ``out = act(dequant(a_sorted) @ dequant(w[expert]).T)`` over the layout's blocks:
+    """The launch of ``out = act(dequant(a_sorted) @ dequant(w[expert]).T + bias[expert])`` over the blocks:
     ``a_sorted [rows, K]`` e4m3 in the layout's order, ``a_scale [groups, rows]`` its scales; output row
     r (``out_sorted``) or ``slot[r]``."""
     from triton.experimental.gluon import language as gl
@@ -92,7 +92,7 @@ def sorted_wgmma_gemms(x_q: torch.Tensor, x_scale: torch.Tensor, w13: WeightOper
     ``y``, from ``x_q [M, H]`` e4m3 and ``x_scale [M, H / 128]``; no allocation."""
     device = x_q.device
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        where = device.type if device.type != "cuda" else f"SM{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+        where = device.type if device.type != "cuda" else "SM{}{}".format(*torch.cuda.get_device_capability(device))
         raise MoEConfigError(f"wgmma=True tiles run on SM90 GPUs (Hopper: warpgroup MMA), not on {where}; "
                              f"use a config without wgmma here")
     rows = layout.sorted_slots.numel()
