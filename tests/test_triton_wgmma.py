@@ -22,6 +22,8 @@ from moe.errors import MoEConfigError  # noqa: E402
 from moe.experts._triton import config as cfg  # noqa: E402
 from moe.experts._triton.align import align_block_size_reference  # noqa: E402
 from moe.experts._triton.gemm_tma_a import gather_launch, workspace_rows  # noqa: E402
+from moe.experts._triton.support import config_key  # noqa: E402
+from moe.experts._triton.weights import prepare_triton_weights  # noqa: E402
 from moe.experts.triton import TritonExperts  # noqa: E402
 from moe.formats import ActivationFormat, DispatchShape  # noqa: E402
 from tests.test_triton import make_problem, make_topk, make_weights  # noqa: E402
@@ -109,6 +111,21 @@ def test_wgmma_config_off_sm90_is_an_error(monkeypatch):
     x = torch.randn(tokens, 256, dtype=torch.float16)
     with pytest.raises(MoEConfigError, match="wgmma=True tiles run on SM90 GPUs .*not on cpu"):
         run(experts, experts.prepare_weights(make_weights(p)), x, make_topk(tokens, p))
+
+
+def test_wgmma_weight_descriptors_are_built_at_load_once():
+    """A table's wgmma tiles get the Gluon kind of weight descriptor when the weights are prepared, kept with
+    them like the Triton kind: no descriptor is made per launch."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper", reason="needs Triton with Gluon")
+    p = make_problem("fp8_block", "silu", E=4, k=2, H=256, I=128, max_tokens=8)
+    table = cfg.ConfigTable(config_key(p, "standard", torch.device("cpu")),
+                            ((64, cfg.LaunchConfig(64, wgmma_tile(), wgmma_tile(128))),))
+    prepared = prepare_triton_weights(make_weights(p), None, table)
+    assert set(prepared.w13.descriptors) == {(64, 128, "gluon")}
+    assert set(prepared.w2.descriptors) == {(128, 128, "gluon")}
+    gluon = prepared.w13.descriptors[(64, 128, "gluon")]
+    assert prepared.w13.descriptor(64, 128, gluon=True) is gluon and gluon.layout is not None
+    assert gluon.shape == [4 * 256, 256] and gluon.block_shape == [64, 128]
 
 
 def test_tuner_offers_wgmma_configs_for_fp8_block_on_sm90_only():

@@ -239,6 +239,22 @@ def _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD: tl.constexpr
 
 
 @triton.jit
+def _store_sorted_block(out_ptr, tile, offs_m, offs_n, N, m0, valid, rows_ptr, stride_om, stride_on,
+                        OUT_SORTED: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Stores a sorted block's ``tile`` (rows ``m0 + offs_m``, columns ``offs_n``, those < N): to every row of
+    the block (``OUT_SORTED``: padding rows stay finite for the next GEMM), else to the slot rows of the rows
+    that hold one (``offs_m < valid``). The TMA-A and the wgmma (Gluon) kernels' epilogue."""
+    if OUT_SORTED:
+        out_rows = (m0 + offs_m).to(tl.int64)
+        row_ok = offs_m < BLOCK_M
+    else:
+        row_ok = offs_m < valid
+        out_rows = tl.load(rows_ptr + m0 + offs_m, mask=row_ok, other=0).to(tl.int64)
+    ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(ptrs, tile.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
     if IEEE:  # float32 problems: exact products instead of tf32
         return tl.dot(a, b, acc, input_precision="ieee")

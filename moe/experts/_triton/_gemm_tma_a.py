@@ -17,7 +17,7 @@ case). The same descriptor loop without it is correct.
 import triton
 import triton.language as tl
 
-from moe.experts._triton._gemm import _activate, _block_segment, _dot, _tile_coords
+from moe.experts._triton._gemm import _activate, _block_segment, _dot, _store_sorted_block, _tile_coords
 
 
 @triton.jit(do_not_specialize=["num_experts"])
@@ -84,20 +84,12 @@ def moe_gemm_tma_a_kernel(
     acc, acc_up = _tma_a_loop(a_desc, w_desc, m0, expert * w_rows + pid_n * BLOCK_N, N, K, GATED, IEEE,
                               BLOCK_M, BLOCK_N, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_n = offs_n % N
+    cols = offs_n % N  # the tail's extra columns read valid biases; they are never stored
     if HAS_BIAS:
         b_base = bias_ptr + expert.to(tl.int64) * stride_be
-        acc += tl.load(b_base + offs_n * stride_bn)[None, :]
+        acc += tl.load(b_base + cols * stride_bn)[None, :]
         if GATED:
-            acc_up += tl.load(b_base + (offs_n + N) * stride_bn)[None, :]
+            acc_up += tl.load(b_base + (cols + N) * stride_bn)[None, :]
     acc = _activate(acc, acc_up, ACTIVATION, alpha, beta, limit)
-    offs = tl.arange(0, BLOCK_M)
-    if OUT_SORTED:  # every row of the block: padding rows stay finite for the next GEMM
-        out_rows = (m0 + offs).to(tl.int64)
-        row_ok = offs < BLOCK_M
-    else:
-        row_ok = offs < valid
-        out_rows = tl.load(rows_ptr + m0 + offs, mask=row_ok, other=0).to(tl.int64)
-    out_ptrs = out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    _store_sorted_block(out_ptr, acc, tl.arange(0, BLOCK_M), offs_n, N, m0, valid, rows_ptr, stride_om, stride_on,
+                        OUT_SORTED, BLOCK_M)

@@ -19,7 +19,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from moe.experts._triton._gemm import _activate  # a @triton.jit function: Gluon kernels may call them
+# @triton.jit functions, which Gluon kernels may call
+from moe.experts._triton._gemm import _activate, _store_sorted_block, _tile_coords
 
 # Gluon is experimental: Triton 3.6 (what the GPU machine runs) names the TMA load
 # async_copy_global_to_shared, later versions async_load (and make the old name raise)
@@ -44,7 +45,8 @@ def _epilogue_layout(block_n, num_warps):
 def _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr,
                    num_warps: gl.constexpr):
     """(expert, rows holding a slot) of sorted block ``pid_m``; expert == num_experts past the last
-    segment (as _gemm._block_segment)."""
+    segment. The twin of _gemm._block_segment, which a Gluon kernel cannot call: its ``tl.arange`` over the
+    experts has no layout, and Gluon needs one."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     first = pid_m * BLOCK_M
     experts = gl.arange(0, E_PAD, layout=layout)
@@ -125,13 +127,7 @@ def moe_gemm_fp8_wgmma_kernel(
     (block ``[BLOCK_N, 128]``), ``w_scale_ptr`` the weights' ``[E, R / 128, groups]`` block scales."""
     WIDTH: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N  # columns of one wgmma
     HALF: gl.constexpr = BLOCK_N if GATED else (128 if BLOCK_N > 128 else BLOCK_N)  # columns per weight scale
-    pid = gl.program_id(0)
-    num_n = (N + BLOCK_N - 1) // BLOCK_N
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = gl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = _tile_coords(num_m_blocks, N, BLOCK_N, GROUP_M)
     expert, valid = _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD, BLOCK_M, num_warps)
     if expert >= num_experts:  # past the last segment
         return
@@ -209,12 +205,5 @@ def moe_gemm_fp8_wgmma_kernel(
         out = gl.convert_layout(acc, out_l)
         if HAS_BIAS:
             out += gl.expand_dims(gl.load(b_base + cols * stride_bn).to(gl.float32), 0)
-    if OUT_SORTED:  # every row of the block: padding rows stay finite for the next GEMM
-        out_rows = (m0 + offs_m).to(gl.int64)
-        row_ok = offs_m < BLOCK_M
-    else:
-        row_ok = offs_m < valid
-        out_rows = gl.load(rows_ptr + m0 + offs_m, mask=row_ok, other=0).to(gl.int64)
-    ptrs = out_ptr + gl.expand_dims(out_rows, 1) * stride_om + gl.expand_dims(offs_n, 0) * stride_on
-    mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_n < N, 0)
-    gl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_sorted_block(out_ptr, out, offs_m, offs_n, N, m0, valid, rows_ptr, stride_om, stride_on, OUT_SORTED,
+                        BLOCK_M)

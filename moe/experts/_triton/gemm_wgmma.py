@@ -33,13 +33,11 @@ _MODULE = "gemm_wgmma"
 
 
 def check_wgmma_operands(w: WeightOperand, tile: TileConfig, gated: bool) -> None:
-    """What the kernel assumes of the weights and the tile: e4m3 128x128-block weights, rows in whole
-    16-byte TMA rows, and each weight scale serving whole column halves of the tile."""
+    """What the kernel assumes of the weights and the tile: e4m3 128x128-block weights, and each weight
+    scale serving whole column halves of the tile (`WeightOperand.descriptor` checks the TMA rows)."""
     if w.fmt is not QuantFormat.FP8_BLOCK or w.data.dtype != torch.float8_e4m3fn:
         raise MoEConfigError(f"wgmma=True tiles run fp8_block weights in e4m3 (got {w.fmt.value} in {w.data.dtype}); "
                              f"use wgmma=False")
-    if w.k % 16:
-        raise MoEConfigError(f"wgmma=True tiles load weight rows by TMA: K must be a multiple of 16 (got {w.k})")
     n = w.data.shape[1] // 2 if gated else w.data.shape[1]
     if gated and (128 % tile.block_n or n % tile.block_n):
         raise MoEConfigError(f"a gated wgmma=True tile's block_n must divide 128 and the intermediate size "
@@ -61,12 +59,10 @@ def wgmma_gemm_launch(a_sorted: torch.Tensor, a_scale: torch.Tensor, w: WeightOp
     check_wgmma_operands(w, tile, gated)
     block_m = layout.block_m
     n_out, k = out.shape[1], w.k
-    fp8 = gl.float8e4nv
+    # A's rows are this call's workspace view; W's descriptor is made once and kept with the weights
     a_desc = TensorDescriptor(a_sorted, list(a_sorted.shape), [a_sorted.stride(0), 1], [block_m, GROUP],
-                              gl.NVMMASharedLayout.get_default_for([block_m, GROUP], fp8))
-    weights = w.data.reshape(-1, k)
-    w_desc = TensorDescriptor(weights, list(weights.shape), [k, 1], [tile.block_n, GROUP],
-                              gl.NVMMASharedLayout.get_default_for([tile.block_n, GROUP], fp8))
+                              gl.NVMMASharedLayout.get_default_for([block_m, GROUP], gl.float8e4nv))
+    w_desc = w.descriptor(tile.block_n, GROUP, gluon=True)
     num_experts = layout.expert_counts.numel()
     act = activation
     params = (act.alpha, act.beta, act.limit) if act is not None and act.alpha is not None else (0.0, 0.0, 0.0)

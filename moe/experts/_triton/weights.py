@@ -46,28 +46,39 @@ class WeightOperand:
     bias: torch.Tensor | None  # fp32 [E, N]
     fmt: QuantFormat
     global_scale: torch.Tensor | None = None  # NVFP4: fp32 [E], the dequantization multiplier per expert
-    # TMA descriptors of ``data`` by (BLOCK_N, BLOCK_K), built once (`descriptor`): not per launch
+    # TMA descriptors of ``data`` by (BLOCK_N, BLOCK_K), the Gluon kind by (BLOCK_N, BLOCK_K, "gluon"), built
+    # once (`descriptor`): not per launch
     descriptors: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def k(self) -> int:
         return self.data.shape[-1] * (2 if self.fmt.is_packed_fp4 else 1)
 
-    def descriptor(self, block_n: int, block_k: int):
+    def descriptor(self, block_n: int, block_k: int, gluon: bool = False):
         """A TMA descriptor of ``data`` as ``[E * R, K]`` with ``[block_n, block_k]`` blocks, made on
-        the first request and kept (the weights do not move)."""
-        key = (block_n, block_k)
+        the first request and kept (the weights do not move). ``gluon``: the Gluon kind, which carries
+        its shared-memory layout (the wgmma tiles' kernel, gemm_wgmma.py)."""
+        key = (block_n, block_k, "gluon") if gluon else (block_n, block_k)
         if key not in self.descriptors:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
             data = self.data
             if self.fmt.is_packed_fp4 or not data.is_contiguous() or (data.shape[-1] * data.element_size()) % 16:
                 raise MoEConfigError(
                     f"tma=True needs contiguous dense or fp8 weights with 16-byte rows (got {self.fmt.value}, "
                     f"shape {tuple(data.shape)}, {data.dtype}); use tma=False for this scheme")
-            rows = data.shape[0] * data.shape[1]
-            self.descriptors[key] = TensorDescriptor(data, [rows, data.shape[2]], [data.shape[2], 1],
-                                                     [block_n, block_k])
+            shape, strides = [data.shape[0] * data.shape[1], data.shape[2]], [data.shape[2], 1]
+            if gluon:
+                from triton.experimental.gluon import language as gl
+                from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+                element = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16,
+                           torch.float16: gl.float16}[data.dtype]
+                layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], element)
+                self.descriptors[key] = GluonDescriptor(data.reshape(shape), shape, strides, [block_n, block_k],
+                                                        layout)
+            else:
+                from triton.tools.tensor_descriptor import TensorDescriptor
+
+                self.descriptors[key] = TensorDescriptor(data, shape, strides, [block_n, block_k])
         return self.descriptors[key]
 
 
@@ -138,8 +149,8 @@ def prepare_triton_weights(
     w13, w2 = to_operand(weights.w13, weights.b13, weight_only), to_operand(weights.w2, weights.b2, weight_only)
     for _, config in configs.configs:  # the table's TMA tiles: descriptors (and their checks) at load
         for operand, tile in ((w13, config.gemm1), (w2, config.gemm2)):
-            if tile.tma:
-                operand.descriptor(tile.block_n, tile.block_k)
+            if tile.tma:  # a wgmma tile's kernel takes the Gluon kind
+                operand.descriptor(tile.block_n, tile.block_k, gluon=tile.wgmma)
             if tile.tma_a:
                 check_tma_a_weights(operand, operand.data.dtype)
     small = all(mxfp4_scales_small(operand) for operand in (w13, w2))
