@@ -182,7 +182,7 @@ def test_json_mode_errors_are_one_json_object(capsys, argv, kind, says, json_fla
 
 
 def test_explain_warns_when_only_reference_serves_a_gpu(capsys):
-    assert main(["plan", "--platform", "h100", "--preset", "deepseek-v3", "--quant", "mxfp8",
+    assert main(["plan", "--platform", "h100", "--no-triton", "--preset", "deepseek-v3", "--quant", "mxfp8",
                  "--activation", "silu", "--explain"]) == 0
     out = capsys.readouterr().out
     assert "slow path: no kernel serves mxfp8 on h100" in out and "SLOW PATH" in out

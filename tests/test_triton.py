@@ -156,10 +156,11 @@ def test_standard_tma_weight_tiles(quant, sizes, gated, monkeypatch):
                                 expert_map=(-1, 0, -1, -1, 1, -1, 2, -1)), 33)
 
 
-def test_tma_weight_tiles_refuse_mxfp4():
-    p = make_problem("mxfp4")
+@pytest.mark.parametrize("quant", ["mxfp4", "mxfp8"])  # scale words, loaded by pointer (weights.py)
+def test_tma_weight_tiles_refuse_block_scaled_weights(quant):
+    p = make_problem(quant)
     w = TritonExperts(p).prepare_weights(make_weights(p)).w13
-    with pytest.raises(MoEConfigError, match="tma=True needs contiguous dense or fp8 weights.*mxfp4"):
+    with pytest.raises(MoEConfigError, match=f"tma=True needs contiguous dense or fp8 weights.*got {quant}"):
         w.descriptor(32, 64)
     # a table asking for TMA tiles on MXFP4 weights fails at load, not at the first forward
     tma = cfg.LaunchConfig(16, cfg.TileConfig(32, 64, tma=True), cfg.TileConfig(32, 64))
@@ -373,8 +374,10 @@ def test_fp8_runs_weight_only_below_sm89():
 
 
 def test_rejects_unsupported_schemes_with_reasons():
+    """The batched experts have no weight-only path, so mxfp8 (weight-only in the standard experts) is refused."""
     p = make_problem("mxfp8")
-    reasons = TritonExperts.check(p, None)
+    assert TritonExperts.check(p, None) == []
+    reasons = TritonBatchedExperts.check(p, None)
     assert any("mxfp8" in r for r in reasons)
 
 

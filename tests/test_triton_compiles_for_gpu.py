@@ -147,6 +147,8 @@ SCENARIOS = {
     "fp8 tensor weight-only": lambda: standard("fp8", weight_only=True),
     "fp8 row weight-only direct": lambda: standard("fp8_token", tokens=3, weight_only=True),
     "fp8 block weight-only": lambda: standard("fp8_block", "relu2", weight_only=True),
+    "mxfp8 weight-only swiglu_oai bias": lambda: standard("mxfp8", "swiglu_oai", bias=True),
+    "mxfp8 weight-only direct": lambda: standard("mxfp8", tokens=2),
     "fp16 silu TMA": lambda: standard("fp16", config=TMA),
     "fp8 block TMA": lambda: standard("fp8_block", config=TMA, grouped=True),
     "fp16 silu tma_a": lambda: standard("fp16", config=TMA_A),

@@ -1,6 +1,6 @@
-"""Weight-only Triton paths on CPU, in Triton's interpreter: NVFP4 weights (everywhere) and fp8 weights (as
-prepared for a GPU without fp8 tensor cores) with unquantized float16/float32 activations, against the
-weight-only reference (the scheme's weights dequantized, activations never rounded).
+"""Weight-only Triton paths on CPU, in Triton's interpreter: NVFP4 and MXFP8 weights and W4A8 MXFP4 (all
+everywhere) and fp8 weights (as prepared for a GPU without fp8 tensor cores) with unquantized float16/float32
+activations, against the weight-only reference (the scheme's weights dequantized, activations never rounded).
 
 The bounds are the activations' dtype's, not the scheme's: the weights are dequantized exactly in the
 kernel, so only the products' rounding and order differ (fp4/fp8 bounds would let a wrong scale pass).
@@ -30,7 +30,7 @@ from moe.experts.triton import TritonExperts  # noqa: E402
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, OutputKind  # noqa: E402
 from moe.platform import Platform  # noqa: E402
 from moe.problem import MoEProblem, ParallelConfig  # noqa: E402
-from moe.quant import QuantizedTensor, dequantize, dequantize_nvfp4, quantize  # noqa: E402
+from moe.quant import QuantFormat, QuantizedTensor, dequantize, dequantize_nvfp4, quantize  # noqa: E402
 from moe.router import TopK  # noqa: E402
 from moe.testing.tolerance import assert_close_moe  # noqa: E402
 from moe.weights import ExpertWeights  # noqa: E402
@@ -112,7 +112,7 @@ def check(p: MoEProblem, num_tokens: int, config: cfg.LaunchConfig | None, monke
 # --- the experts against the weight-only reference -----------------------------------------------
 
 
-@pytest.mark.parametrize("quant", ["nvfp4", "fp8", "fp8_token", "fp8_block"])
+@pytest.mark.parametrize("quant", ["nvfp4", "fp8", "fp8_token", "fp8_block", "mxfp8", "mxfp4_a_mxfp8"])
 @pytest.mark.parametrize("num_tokens,config,dtype", [(1, DIRECT, torch.float16), (3, DIRECT, torch.float32),
                                                      (3, SORTED, torch.float16), (33, SORTED, torch.float32),
                                                      (0, None, torch.float16)])
@@ -122,14 +122,15 @@ def test_ragged_small_shapes(quant, dtype, num_tokens, config, monkeypatch):
 
 
 @pytest.mark.parametrize("shape", list(BENCH_SHAPES))
-@pytest.mark.parametrize("quant,config", [("nvfp4", DIRECT), ("nvfp4", SORTED), ("fp8_block", SORTED)],
-                         ids=["nvfp4-direct", "nvfp4-sorted", "fp8_block-sorted"])
+@pytest.mark.parametrize("quant,config", [("nvfp4", DIRECT), ("nvfp4", SORTED), ("fp8_block", SORTED),
+                                          ("mxfp8", SORTED)],
+                         ids=["nvfp4-direct", "nvfp4-sorted", "fp8_block-sorted", "mxfp8-sorted"])
 def test_bench_shapes_scaled_down(shape, quant, config, monkeypatch):
     """Each preset's layer at 1/16 to 1/32 of its H and I; M = 3 (decode), both row sources for NVFP4."""
     check(make_problem(quant, **BENCH_SHAPES[shape]), 3, config, monkeypatch)
 
 
-@pytest.mark.parametrize("quant", ["nvfp4", "fp8_block"])
+@pytest.mark.parametrize("quant", ["nvfp4", "fp8_block", "mxfp8"])
 def test_non_gated_and_the_default_configs(quant, monkeypatch):
     check(make_problem(quant, activation="relu2", dtype=torch.float32), 33, None, monkeypatch)
 
@@ -160,6 +161,24 @@ def test_prepare_picks_weight_only_by_scheme_on_the_cpu():
     table = ConfigTable.load(config_key(fp8, "standard", torch.device("cpu")))
     as_on_a100 = prepare_triton_weights(make_weights(fp8, gen), None, table, weight_only=True)
     assert as_on_a100.w13.data.dtype == torch.uint8 and as_on_a100.w2.data.dtype == torch.uint8
+    mxfp8 = make_problem("mxfp8")  # weight-only everywhere: the e4m3 bits, the e8m0 bytes as scale words
+    prepared = TritonExperts(mxfp8).prepare_weights(make_weights(mxfp8, gen))
+    assert prepared.weight_only and prepared.w13.data.dtype == torch.uint8
+    assert prepared.w13.scale.dtype == torch.int32 and prepared.w13.scale.shape == (8, 2 * 96, 1)  # K = 64: 1 word
+
+
+def test_w4a8_mxfp4_runs_as_w4a16():
+    """mxfp4_a_mxfp8 on a GPU without mxfp8 MMA: the MXFP4 kernels with unquantized activations, bit for bit
+    the W4A16 layer on the same weights, its decode kernels included (M = 2: 4 slots; M = 33: grouped)."""
+    gen = torch.Generator().manual_seed(3)
+    w4a8, w4a16 = make_problem("mxfp4_a_mxfp8", dtype=torch.float32), make_problem("mxfp4", dtype=torch.float32)
+    weights = make_weights(w4a16, gen)
+    assert weights.w13.fmt is QuantFormat.MXFP4
+    for num_tokens in (2, 33):
+        x, topk = torch.randn(num_tokens, w4a16.hidden_size, generator=gen), sparse_topk(w4a16, num_tokens, gen)
+        outs = [run(experts, experts.prepare_weights(weights), x, topk).out
+                for experts in (TritonExperts(w4a8), TritonExperts(w4a16))]
+        assert outs[0].abs().max() > 0 and torch.equal(outs[0], outs[1])
 
 
 # --- the in-register dequantization, bit for bit ---------------------------------------------------
@@ -197,3 +216,15 @@ def test_fp8_weight_only_gemm_dequantizes_exactly(fmt):
     scale_shape = {"fp8_tensor": (e,), "fp8_row": (e, n, 1), "fp8_block": (e, 2, 2)}[fmt]
     q = QuantizedTensor(data=payload, scale=torch.rand(scale_shape) + 0.01, fmt=fmt, role="weight")
     assert torch.equal(_read_back(q, True, 64), dequantize(q, torch.float32))
+
+
+@pytest.mark.parametrize("k,block_k", [(96, 64), (160, 128), (256, 256)])
+def test_mxfp8_gemm_dequantizes_exactly(k, block_k):
+    """Every finite e4m3 byte (both signs, subnormals) times e8m0 scales from 2**-100 to 2**100, K tails
+    (whole groups of 32 past the last full tile) and an N tail: bit for bit `dequantize`."""
+    e, n = 2, 40
+    codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
+    payload = codes[torch.randperm(e * n * k) % codes.numel()].view(e, n, k).view(torch.float8_e4m3fn)
+    scale = torch.randint(27, 228, (e, n, k // 32), dtype=torch.uint8)
+    q = QuantizedTensor(data=payload, scale=scale, fmt="mxfp8", role="weight")
+    assert torch.equal(_read_back(q, True, block_k), dequantize(q, torch.float32))

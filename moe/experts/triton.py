@@ -19,9 +19,11 @@ One forward, all on the GPU, no host sync, CUDA-graph capturable (shapes depend 
 Schemes: bf16/fp16/fp32, fp8 e4m3 W8A8 per tensor / per token+channel / 128-block, and MXFP4
 weights with unquantized activations (W4A16, dequantized tile by tile inside the GEMM). Weight-only
 (`support.STANDARD_MODES`): NVFP4 weights with unquantized activations everywhere (the same
-in-register dequantization as MXFP4, e4m3 block scales and a global scale per expert), and fp8 weights
-with unquantized activations on GPUs without fp8 tensor cores (A100: e4m3 decoded to bf16 in registers,
-then the bf16 dot); activations are then never quantized, so the intermediate is not rounded to fp8.
+in-register dequantization as MXFP4, e4m3 block scales and a global scale per expert), MXFP8 weights
+everywhere (e4m3 decoded and scaled by its e8m0 byte per 32 in registers), W4A8 MXFP4 everywhere (as W4A16),
+and fp8 weights with unquantized activations on GPUs without fp8 tensor cores (A100: e4m3 decoded to bf16
+in registers, then the bf16 dot); activations are then never quantized, so the intermediate is not
+rounded to fp8.
 Launch configs come from tuned tables (``python -m moe tune``) or a default (`_triton/config.py`).
 """
 

@@ -8,9 +8,12 @@ legal but never what a user wants unknowingly, so ``FusedMoE`` warns once when i
 fast backend refused, and what would serve: the other schemes this platform runs with a kernel, and the
 GPUs that run this scheme with one.
 
-    >>> slow = slow_path(plan(problem_mxfp8, Platform.preset("h100")))      # doctest: +SKIP
+    >>> no_triton = Platform.preset("h100").with_libraries(remove=("triton",))
+    >>> slow = slow_path(plan(problem_mxfp8, no_triton))                    # doctest: +SKIP
     >>> slow.other_schemes, slow.other_platforms                            # doctest: +SKIP
-    (('bf16', 'fp8', 'fp8_token', 'fp8_block', 'mxfp4'), ('b200', 'gb200'))
+    (('bf16', 'fp8', 'fp8_block', 'mxfp4'), ('a100', 'h200', 'b200', 'gb200', 'rtx-pro-6000'))
+
+(The other platforms are presets, which assume Triton installed.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Weight-only Triton paths on a CUDA GPU, in bfloat16: NVFP4 weights, and fp8 weights decoded in registers
+"""Weight-only Triton paths on a CUDA GPU, in bfloat16: NVFP4, MXFP8 and W4A8 MXFP4 weights, and fp8 weights decoded in registers
 (what an A100 runs; on newer GPUs the same path is forced through ``prepare_triton_weights(weight_only=True)``),
 against the weight-only reference; the dequantization bit for bit; CUDA-graph replay equal to eager with no
 host synchronization."""
@@ -26,7 +26,7 @@ from moe.workspace import WorkspaceManager
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
-SCHEMES = ("nvfp4", "fp8", "fp8_token", "fp8_block")
+SCHEMES = ("nvfp4", "fp8", "fp8_token", "fp8_block", "mxfp8", "mxfp4_a_mxfp8")
 
 
 def problem(quant, activation="silu", *, E=16, k=4, H=512, I=384, bias=False, expert_map=None, max_tokens=512):
@@ -92,15 +92,16 @@ def test_nvfp4_decode_kernels_serve_a_few_tokens(monkeypatch):
 
 
 @pytest.mark.parametrize("activation", ["swiglu_oai", "relu2"])
-@pytest.mark.parametrize("quant", ["nvfp4", "fp8_block"])
+@pytest.mark.parametrize("quant", ["nvfp4", "fp8_block", "mxfp8"])
 def test_activations_with_bias_and_expert_map(activation, quant):
     expert_map = tuple(i // 2 if i % 2 == 0 else -1 for i in range(16))
     check(problem(quant, activation, bias=True, expert_map=expert_map), 100)
 
 
-def test_gpt_oss_sizes_nvfp4():
+@pytest.mark.parametrize("quant", ["nvfp4", "mxfp8"])
+def test_gpt_oss_sizes(quant):
     """H = I = 2880: K tails for 128-wide K tiles (2880 = 22.5 * 128)."""
-    check(problem("nvfp4", "swiglu_oai", E=8, k=4, H=2880, I=2880, bias=True), 65)
+    check(problem(quant, "swiglu_oai", E=8, k=4, H=2880, I=2880, bias=True), 65)
 
 
 def test_prepare_runs_fp8_weight_only_exactly_where_the_gpu_lacks_fp8_tensor_cores():
@@ -108,11 +109,12 @@ def test_prepare_runs_fp8_weight_only_exactly_where_the_gpu_lacks_fp8_tensor_cor
     prepared = TritonExperts(p).prepare_weights(weights_for(p))
     major, minor = torch.cuda.get_device_capability()
     assert prepared.weight_only == (major * 10 + minor in (80, 86, 87))
-    assert TritonExperts(problem("nvfp4")).prepare_weights(weights_for(problem("nvfp4"))).weight_only
+    for quant in ("nvfp4", "mxfp8", "mxfp4_a_mxfp8"):  # weight-only on every GPU
+        assert TritonExperts(problem(quant)).prepare_weights(weights_for(problem(quant))).weight_only
 
 
 @pytest.mark.parametrize("block_m,block_k", [(16, 64), (64, 128)])
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_tensor", "fp8_block"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_tensor", "fp8_block", "mxfp8"])
 def test_dequantizes_exactly(fmt, block_m, block_k):
     """One-hot bf16 rows of A read the kernel's dequantized weights back (K = 2880: a K tail; N = 72):
     bit for bit the reference dequantization rounded to bf16 (mma v2 and wgmma tiles)."""
@@ -124,7 +126,10 @@ def test_dequantizes_exactly(fmt, block_m, block_k):
     else:
         codes = torch.randint(0, 126, (e, n, k), dtype=torch.uint8, device="cuda")  # finite, both signs below
         codes |= torch.randint(0, 2, codes.shape, dtype=torch.uint8, device="cuda") << 7
-        scale = torch.full((e,) if fmt == "fp8_tensor" else (e, 1, 23), 0.25, device="cuda")
+        if fmt == "mxfp8":  # e8m0 bytes: 2**-20 .. 2**10
+            scale = torch.randint(107, 138, (e, n, k // 32), dtype=torch.uint8, device="cuda")
+        else:
+            scale = torch.full((e,) if fmt == "fp8_tensor" else (e, 1, 23), 0.25, device="cuda")
         q = QuantizedTensor(data=codes.view(torch.float8_e4m3fn), scale=scale, fmt=fmt, role="weight")
     a = torch.eye(k, device="cuda", dtype=torch.bfloat16).repeat(e, 1)
     out = torch.empty(e * k, n, device="cuda", dtype=torch.bfloat16)
@@ -135,7 +140,7 @@ def test_dequantizes_exactly(fmt, block_m, block_k):
 
 
 @pytest.mark.parametrize("tokens", [4, 300])  # direct rows, sorted rows
-@pytest.mark.parametrize("quant", ["nvfp4", "fp8", "fp8_block"])
+@pytest.mark.parametrize("quant", ["nvfp4", "fp8", "fp8_block", "mxfp8"])
 def test_cuda_graph_replay_equals_eager_without_host_sync(quant, tokens):
     p = problem(quant, E=32, k=8, H=1024, I=512, max_tokens=300)
     assert_replay_equals_eager_without_sync(TritonExperts(p), weight_only(p, weights_for(p)), p, tokens)

@@ -14,7 +14,8 @@ One kernel serves both GEMMs and both activation formats; constexpr switches pic
 - ``QUANT``: how A and W are stored (the numbering is `gemm.QUANT_CODES`):
   0 dense; 1 fp8 per tensor; 2 fp8 per row/channel; 3 fp8 128x128 blocks (1x128 groups of A);
   4 MXFP4 and 5 NVFP4 weights (dequantized tile by tile in registers, one loop: only the scale decoding
-  differs) with dense activations.
+  differs) with dense activations; 6 MXFP8 weights with dense activations (the e4m3 bits decoded and
+  scaled by their group's e8m0 byte in registers: MXFP4's scale words, a whole K tile per dot).
 - ``WEIGHT_ONLY``: fp8 weights with dense activations (GPUs without fp8 tensor cores): the e4m3 bits
   (uint8) are decoded to A's dtype in registers and A's scale is 1; the weight scales apply as for fp8.
 """
@@ -43,6 +44,7 @@ _FP8_ROW = tl.constexpr(2)
 _FP8_BLOCK = tl.constexpr(3)
 _MXFP4 = tl.constexpr(4)
 _NVFP4 = tl.constexpr(5)
+_MXFP8 = tl.constexpr(6)
 
 
 @triton.jit
@@ -107,7 +109,8 @@ def _e2m1_scaled(bits, factor, dtype: tl.constexpr):
 
 @triton.jit
 def _fp4_load(w_ptrs, s_ptrs, group_ok, EVEN_K: tl.constexpr):
-    """One K step's packed fp4 bytes and their groups' scale words (groups past K read as 0)."""
+    """One K step's weight bytes (packed fp4, or MXFP8's e4m3 bits) and their groups' scale words (groups
+    past K read as 0)."""
     if EVEN_K:
         packed = tl.load(w_ptrs)
         words = tl.load(s_ptrs)
@@ -186,6 +189,53 @@ def _fp4_loop(acc, acc_up, a_ptr, a_rows, stride_am, stride_ak, w_base, stride_w
             acc_up = _dot(a_hi, w_hi, acc_up, IEEE)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += (BLOCK_K // 2) * stride_wk
+    return acc, acc_up
+
+
+@triton.jit
+def _mxfp8_tile(w_ptrs, s_ptrs, shifts, group_ok, dtype: tl.constexpr, EVEN_K: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One K step of MXFP8 weights, dequantized: ``[BLOCK_K, BLOCK_N]`` in ``dtype``. ``w_ptrs [G, 32,
+    BLOCK_N]`` address the e4m3 bits (uint8) of G = BLOCK_K / 32 groups, ``s_ptrs``, ``shifts`` and
+    ``group_ok`` as in `_fp4_half_tiles` (MXFP4's scale words). `_e4m3_scaled` gives the value times
+    2**-8 and the factor is the e8m0 scale times 2**8 (`_e8m0_factor`'s 2**14, times 2**-6): exact in
+    float32, so each weight is rounded once, to ``dtype``."""
+    bits, words = _fp4_load(w_ptrs, s_ptrs, group_ok, EVEN_K)
+    factor = _e8m0_factor((words >> shifts) & 255) * 0.015625  # 2**-6
+    value = _e4m3_scaled(bits, tl.float32) * factor
+    return tl.reshape(value.to(dtype), (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _mxfp8_loop(acc, acc_up, a_ptr, a_rows, stride_am, stride_ak, w_base, stride_wn, stride_wk,
+                ws_base, stride_wsn, stride_wsk, offs_n, N, K,
+                GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The K loop with MXFP8 weights and unquantized activations (weight-only): one dot per K step on
+    the dequantized tile (`_mxfp8_tile`); K is a multiple of 32 (whole groups), group g's scale is byte
+    g of the scale words, as MXFP4's."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    g3 = tl.arange(0, BLOCK_K // 32)[:, None, None]
+    n3 = offs_n[None, None, :]
+    w_ptrs = w_base + n3 * stride_wn + (g3 * 32 + tl.arange(0, 32)[None, :, None]) * stride_wk
+    s_base = ws_base + n3 * stride_wsn
+    for kk in range(0, cdiv_(K, BLOCK_K)):
+        group = kk * (BLOCK_K // 32) + g3
+        groups_left = K // 32 - kk * (BLOCK_K // 32)
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(offs_k // 32)[None, :] < groups_left, other=0.0)
+        s_ptrs, shifts = _fp4_scale_words(s_base, group, stride_wsk, _MXFP4)
+        w = _mxfp8_tile(w_ptrs, s_ptrs, shifts, g3 < groups_left, a.dtype, EVEN_K, BLOCK_K, BLOCK_N)
+        acc = _dot(a, w, acc, IEEE)
+        if GATED:  # the up rows: N further down, in the data and in the scale words alike
+            w = _mxfp8_tile(w_ptrs + N * stride_wn, s_ptrs + N * stride_wsn, shifts, g3 < groups_left, a.dtype,
+                            EVEN_K, BLOCK_K, BLOCK_N)
+            acc_up = _dot(a, w, acc_up, IEEE)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
     return acc, acc_up
 
 
@@ -322,6 +372,9 @@ def moe_gemm_kernel(
         acc, acc_up = _fp4_loop(acc, acc_up, a_ptr, a_rows, stride_am, stride_ak, w_base, stride_wn,
                                 stride_wk, ws_base, stride_wsn, stride_wsk, offs_n, N, K,
                                 QUANT, GATED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)
+    elif QUANT == _MXFP8:
+        acc, acc_up = _mxfp8_loop(acc, acc_up, a_ptr, a_rows, stride_am, stride_ak, w_base, stride_wn, stride_wk,
+                                  ws_base, stride_wsn, stride_wsk, offs_n, N, K, GATED, EVEN_K, IEEE, BLOCK_K, BLOCK_N)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak

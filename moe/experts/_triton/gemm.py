@@ -27,6 +27,7 @@ QUANT_CODES = {
     QuantFormat.FP8_BLOCK: 3,
     QuantFormat.MXFP4: 4,
     QuantFormat.NVFP4: 5,
+    QuantFormat.MXFP8: 6,
 }
 _FP8_FORMATS = (QuantFormat.FP8_TENSOR, QuantFormat.FP8_ROW, QuantFormat.FP8_BLOCK)
 ACTIVATION_CODES = {
@@ -174,6 +175,7 @@ def gemm_launch(
     )
     weight_only = w.fmt in _FP8_FORMATS and a_scale is None
     assert not weight_only or w.data.dtype == torch.uint8, "weight-only fp8 reads the e4m3 bits as uint8"
+    assert w.fmt is not QuantFormat.MXFP8 or a_scale is None, "MXFP8 runs weight-only: unquantized activations"
     constexprs = dict(
         ROWS=ROW_CODES[type(rows)], HAS_MAP=has_map, A_ROW_DIV=a_row_div, GATED=gated,
         ACTIVATION=ACTIVATION_CODES[None if act is None else act.kind],
@@ -197,7 +199,7 @@ def grouped_gemm(
 ) -> torch.Tensor:
     """Launches the kernel (no allocation). ``a [rows, K]``, ``out [rows_out, N_out]`` row-major.
     fp8 weights with unquantized ``a`` (no ``a_scale``) run weight-only: their e4m3 bits (uint8, see
-    weights.py) are decoded in registers."""
+    weights.py) are decoded in registers; MXFP8 weights always do."""
     gemm_launch(a, a_scale, w, out, rows, activation, block_m, tile).run()
     return out
 

@@ -20,13 +20,19 @@ MODES = {**Mode(archs=Archs.from_sm(80)).serving("unquantized", "mxfp4"), **_FP8
 # The standard-format experts also run weight-only (activations stay bf16/fp16, weights dequantized in
 # registers): fp8 where the GPU has no fp8 tensor cores (SM8x before Ada, and Triton refuses e4m3 there),
 # and NVFP4 everywhere (no e2m1 x e2m1 product in Triton); NVFP4's elements are split in groups of 32 as
-# MXFP4's (weights.py), so H and I must be multiples of 32.
+# MXFP4's (weights.py), so H and I must be multiples of 32. The MX schemes with mxfp8 activations run
+# weight-only everywhere too, so no GPU falls back to the reference for them: MXFP8 weights decoded in
+# registers (e4m3 bits times their group's e8m0 scale), and W4A8 MXFP4 as W4A16 (the MXFP4 kernels with
+# bf16/fp16 activations, more accurate than activations rounded to mxfp8).
 _NO_FP8_TENSOR_CORES = Archs.exactly(80, 86, 87)
 STANDARD_MODES = {
     **MODES,
     **Mode(archs=Archs.from_sm(80), weight_only=_NO_FP8_TENSOR_CORES).serving(*_FP8_SCHEMES),
     **Mode(archs=Archs.from_sm(80), weight_only=Archs(), h_align=32, i_align=32,
            name="triton (nvfp4 weight-only)").serving("nvfp4"),
+    **Mode(archs=Archs.from_sm(80), weight_only=Archs(), name="triton (mxfp8 weight-only)").serving("mxfp8"),
+    **Mode(archs=Archs.from_sm(80), weight_only=Archs(),
+           name="triton (mxfp4 weight-only: activations unquantized)").serving("mxfp4_a_mxfp8"),
 }
 # what both Triton backends declare alike; each adds its modes, format, output kind and who quantizes.
 # Devices: CUDA; the CPU only in Triton's interpreter, which the platform reports (platform_reasons says so)

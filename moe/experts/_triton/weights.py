@@ -17,7 +17,9 @@ and NVFP4 alike, their scales being bytes of a different meaning (e8m0 per 32, e
 
 Weight-only fp8 (``weight_only``: GPUs without fp8 tensor cores) keeps the e4m3
 payload as its uint8 bit patterns: Triton refuses the e4m3 type itself on SM8x, so the kernel decodes the
-bits (the scales are unchanged).
+bits (the scales are unchanged). MXFP8 (always weight-only here) keeps its e4m3 payload as bits too, in the
+canonical ``[E, N, K]`` order, and its e8m0 bytes (one per 32 along K, as MXFP4's) become MXFP4's scale
+words.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from moe.quant import QuantFormat
 from moe.weights import ExpertWeights
 
 MX_GROUP = 32
+# the formats whose scales the kernels read as words (mxfp4_scale_words); their K loops load by pointer
+_SCALE_WORD_FORMATS = (QuantFormat.MXFP4, QuantFormat.NVFP4, QuantFormat.MXFP8)
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,7 @@ class WeightOperand:
     """One GEMM's weights as the kernel reads them."""
 
     data: torch.Tensor  # [E, N, K] (MXFP4/NVFP4: uint8 [E, N, K/2] in the half-split layout above)
-    # canonical scale layout of the format; None when dense. MXFP4/NVFP4: int32 words [E, N, W] (above),
+    # canonical scale layout of the format; None when dense. MXFP4/NVFP4/MXFP8: int32 words [E, N, W] (above),
     # a transposed view of a contiguous [E, W, N] tensor (strides W*N, 1, N)
     scale: torch.Tensor | None
     bias: torch.Tensor | None  # fp32 [E, N]
@@ -61,7 +65,8 @@ class WeightOperand:
         key = (block_n, block_k, "gluon") if gluon else (block_n, block_k)
         if key not in self.descriptors:
             data = self.data
-            if self.fmt.is_packed_fp4 or not data.is_contiguous() or (data.shape[-1] * data.element_size()) % 16:
+            rows_aligned = (data.shape[-1] * data.element_size()) % 16 == 0
+            if self.fmt in _SCALE_WORD_FORMATS or not data.is_contiguous() or not rows_aligned:
                 raise MoEConfigError(
                     f"tma=True needs contiguous dense or fp8 weights with 16-byte rows (got {self.fmt.value}, "
                     f"shape {tuple(data.shape)}, {data.dtype}); use tma=False for this scheme")
@@ -89,7 +94,7 @@ class TritonWeights:
     expert_map: torch.Tensor | None  # int32 [E] global -> local id (-1: elsewhere); None: identity
     configs: ConfigTable  # launch configs for this shape, scheme and device
     # True: the GEMMs read unquantized activations whatever the scheme says, and dequantize quantized
-    # weights in registers (support.activation_format decides per device); NVFP4 always
+    # weights in registers (support.activation_format decides per device); NVFP4, MXFP8, W4A8 MXFP4 always
     weight_only: bool = False
     # MXFP4 with every e8m0 scale byte <= 128 (scales <= 2): the decode kernels' packed bf16
     # dequantization (decode.py) is exact for them (NVFP4 needs no such bound: `packed_dequantization`)
@@ -120,10 +125,12 @@ def mxfp4_scale_words(scale: torch.Tensor) -> torch.Tensor:
 
 def to_operand(q, bias: torch.Tensor | None, weight_only: bool = False) -> WeightOperand:
     """``q`` (a weight `QuantizedTensor`) as the kernel reads it; ``weight_only``: fp8 payloads as their
-    uint8 bits (the module docstring)."""
+    uint8 bits (the module docstring; MXFP8 always)."""
     data, scale = q.data, None if q.scale is None else q.scale.contiguous()
     if q.fmt.is_packed_fp4:
         data, scale = mxfp4_half_split(data), mxfp4_scale_words(scale)
+    elif q.fmt is QuantFormat.MXFP8:
+        data, scale = data.view(torch.uint8), mxfp4_scale_words(scale)
     elif weight_only and data.dtype == torch.float8_e4m3fn:
         data = data.view(torch.uint8)
     bias = None if bias is None else bias.float().contiguous()
