@@ -5,13 +5,16 @@
     python benchmarks/make_measured_profile.py --machine nvidia-h100    # one
 
 Every entry is one (backend, scheme, preset shape, M) time; the oracle turns it into an efficiency
-against the roofline of that shape and interpolates between token counts.
+against the roofline of that shape and interpolates between token counts. Files of
+``benchmarks/ep_all_to_all.py`` (records with a ``prepare_finalize``) give the transports' prepare +
+finalize times at their ``ep_size`` instead (`ep_all_to_all.transport_entries`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,12 +74,22 @@ def measurements(machine: Machine) -> list[ProfileEntry]:
     entries = []
     for name, (key, fixed_preset) in machine.sources.items():
         data = json.loads((RESULTS / name).read_text())
+        if data[key] and "prepare_finalize" in data[key][0]:  # an expert-parallel file: the transports' times
+            entries += _transport_entries(data[key], platform, f"benchmarks/results/{name}")
+            continue
         for r in data[key]:
             preset = fixed_preset or r["preset"]
             problem = load_preset(preset).problem(quant=r["quant"], max_tokens=max(r["tokens"], 1))
             entries.append(ProfileEntry.measurement(r["experts"], platform, problem, r["tokens"], r["us"],
                                                     preset=preset, note=f"benchmarks/results/{name}"))
     return entries
+
+
+def _transport_entries(rows: list[dict], platform: Platform, note: str) -> list[ProfileEntry]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from ep_all_to_all import transport_entries
+
+    return transport_entries(rows, platform, note)
 
 
 def write(machine: Machine) -> Path:

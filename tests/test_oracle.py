@@ -119,6 +119,61 @@ def test_profile_precedence_platform_then_scheme_then_any():
     assert Profile(entries).points("unknown", h100, "bf16") == ((), Profile().points("x", h100, "bf16")[1])
 
 
+# --- transports measured (issue 15: plan --ep N from measured communication) ------------------------
+def _ep_problem(ep: int, quant: str = "bf16") -> MoEProblem:
+    return load_preset("deepseek-v3").problem(quant=quant, max_tokens=1024, parallel=ParallelConfig(ep))
+
+
+def _transport_times(path: Path, times: dict[str, dict[int, float]], ep: int = 2) -> Profile:
+    """A profile of PrepareFinalize measurements {name: {M: us}} at DeepSeek-V3's shape on ``ep`` H200s."""
+    h200 = Platform.preset("h200")
+    save_profile(path, [ProfileEntry.measurement(name, h200, _ep_problem(ep), m, us, preset="deepseek-v3",
+                                                 parallel=True)
+                        for name, by_m in times.items() for m, us in by_m.items()])
+    return load_profile(path)
+
+
+def test_a_transport_measurement_round_trips_with_its_ranks_and_is_its_own_estimate(tmp_path):
+    from moe.oracle.cost import estimate_transport
+    from moe.formats import ActivationFormat
+
+    loaded = _transport_times(tmp_path / "ep.yaml", {"all_to_all": {16: 300.0}})
+    saved = yaml.safe_load((tmp_path / "ep.yaml").read_text())["backends"]["all_to_all"]["h200"][0]
+    assert saved["shape"] == {"preset": "deepseek-v3", "ep_size": 2}
+    assert loaded.entries[0].shape == ProfileShape.of(_ep_problem(2), "deepseek-v3", parallel=True)
+    profile = builtin_profile().merged(loaded)
+    h200 = Platform.preset("h200")
+    # at the measured shape and M the estimate is the measurement: divided into and multiplied by transport_us
+    at_16 = estimate_transport("all_to_all", ActivationFormat.STANDARD, False, _ep_problem(2), h200, 16, profile)
+    assert at_16.us == pytest.approx(300.0) and at_16.basis.startswith("measured at this shape")
+    # at other ranks it informs as an efficiency against that problem's own interconnect roofline
+    at_4 = estimate_transport("all_to_all", ActivationFormat.STANDARD, False, _ep_problem(4), h200, 16, profile)
+    assert at_4.basis.startswith("measured at other shapes") and at_4.efficiency == pytest.approx(at_16.efficiency)
+    # the experts' shape keeps ep_size 1: the one-GPU bench measures what an EP problem's experts run
+    assert ProfileShape.of(_ep_problem(2)).ep_size == 1
+
+
+def test_plan_picks_the_measured_faster_transport_per_bucket(tmp_path):
+    """all_to_all measured faster at decode, flashinfer_a2a at prefill: the plan follows the measurements
+    (times invented here to cross; benchmarks/ep_all_to_all.py --save-profile writes real ones)."""
+    times = {"all_to_all": {1: 40.0, 64: 80.0, 1024: 900.0}, "flashinfer_a2a": {1: 90.0, 64: 120.0, 1024: 300.0}}
+    path = tmp_path / "ep.yaml"
+    _transport_times(path, times)
+    result = plan(_ep_problem(2), Platform.preset("h200"), Policy(profiles=(str(path),), buckets=(1, 64, 1024)))
+    chosen = {b.high: b.chosen.pair.prepare_finalize for b in result.buckets}
+    assert chosen == {1: "all_to_all", 64: "all_to_all", 1024: "flashinfer_a2a"}
+    assert "flashinfer_a2a: 300.0 us [measured at this shape (ep.yaml)]" in result.explain()
+
+
+@pytest.mark.parametrize("ep_size", [0, -1, "two", True])
+def test_a_profile_shape_s_ep_size_must_be_a_rank_count(tmp_path, ep_size):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"backends": {"all_to_all": {"h200": [
+        {"tokens": 1, "quant": "bf16", "measured_us": 3.0, "shape": {"preset": "deepseek-v3", "ep_size": ep_size}}]}}}))
+    with pytest.raises(MoEConfigError, match=rf"shape.ep_size must be an int >= 1, the ranks measured \(got {ep_size!r}\)"):
+        load_profile(path)
+
+
 @pytest.mark.parametrize("text,match", [
     ("backends: {triton: {h100: [{tokens: 1, quant: bf16, efficiency: 0.5, speed: 2}]}}",
      r"unknown key\(s\) \['speed'\].*allowed keys: tokens, quant, efficiency, measured_us"),

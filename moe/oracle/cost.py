@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from moe.errors import MoEConfigError
 from moe.formats import ActivationFormat
@@ -153,23 +153,39 @@ def roofline(problem: MoEProblem, platform: Platform, tokens: int, hits: float |
 
 
 # --- efficiency from profile points -----------------------------------------------------------------
-def _point_efficiency(point: ProfileEntry, platform: Platform, activation: QuantFormat | None) -> tuple[float, float]:
+# a backend's roofline in microseconds: (problem, platform, tokens) -> us; what measurements are divided into
+RooflineUs = Callable[[MoEProblem, Platform, int], float]
+
+
+def experts_roofline(activation: QuantFormat | None = None) -> RooflineUs:
+    """The experts' `roofline` (``activation`` as there: the format the backend reads activations in)."""
+    return lambda problem, platform, tokens: roofline(problem, platform, tokens, activation=activation).us
+
+
+def transport_roofline(pf_format: ActivationFormat, quantizes: bool) -> RooflineUs:
+    """A prepare/finalize's `transport_us` (a measured point counts as moving what this one moves)."""
+    return lambda problem, platform, tokens: transport_us(pf_format, quantizes, problem, platform, tokens)
+
+
+def _point_efficiency(point: ProfileEntry, platform: Platform, roofline_us: RooflineUs) -> tuple[float, float]:
     """(efficiency, overhead_us) of one point; a measurement is divided into its own shape's roofline."""
     if not point.measured:
         return point.efficiency, point.overhead_us
     shape_problem = point.shape.problem(point.quant, max(point.tokens, 1))
-    efficiency = roofline(shape_problem, measured_on(point, platform), point.tokens,
-                          activation=activation).us / point.measured_us
-    return efficiency, 0.0
+    bound = roofline_us(shape_problem, measured_on(point, platform), point.tokens)
+    if bound <= 0:  # it moved no bytes (a prepare/finalize on one rank that copies nothing): all overhead
+        return 1.0, point.measured_us
+    return bound / point.measured_us, 0.0
 
 
 def efficiency_at(points: tuple[ProfileEntry, ...], platform: Platform, tokens: int,
-                  activation: QuantFormat | None = None) -> tuple[float, float]:
+                  roofline_us: RooflineUs | None = None) -> tuple[float, float]:
     """(efficiency, overhead_us) at M=``tokens``: interpolated in log2(M) between points, held beyond them.
-    ``activation``: as for `roofline`, the format the measured backend read activations in."""
+    ``roofline_us``: what measured points are divided into (default: `experts_roofline`)."""
     if not points:
         return DEFAULT_EFFICIENCY, DEFAULT_OVERHEAD_US
-    values = [(point.tokens, *_point_efficiency(point, platform, activation)) for point in points]
+    roofline_us = roofline_us or experts_roofline()
+    values = [(point.tokens, *_point_efficiency(point, platform, roofline_us)) for point in points]
     if tokens <= values[0][0]:
         return values[0][1], values[0][2]
     for (t0, e0, o0), (t1, e1, o1) in zip(values, values[1:]):
@@ -179,11 +195,14 @@ def efficiency_at(points: tuple[ProfileEntry, ...], platform: Platform, tokens: 
     return values[-1][1], values[-1][2]
 
 
-def _estimate(name: str, roofline_us: float, problem: MoEProblem, platform: Platform, tokens: int,
-              profile: Profile, peers: Iterable[str] = (), activation: QuantFormat | None = None) -> Estimate:
-    points, basis = profile.points(name, platform, problem.quant_name, ProfileShape.of(problem), peers)
-    efficiency, overhead = efficiency_at(points, platform, tokens, activation)
-    return Estimate(overhead + roofline_us / efficiency, roofline_us, efficiency, overhead, basis)
+def _estimate(name: str, roofline_us: RooflineUs, problem: MoEProblem, platform: Platform, tokens: int,
+              profile: Profile, peers: Iterable[str] = (), parallel: bool = False) -> Estimate:
+    """``parallel``: a PrepareFinalize, whose measurements are matched at the problem's ``ep_size``."""
+    shape = ProfileShape.of(problem, parallel=parallel)
+    points, basis = profile.points(name, platform, problem.quant_name, shape, peers)
+    efficiency, overhead = efficiency_at(points, platform, tokens, roofline_us)
+    us = roofline_us(problem, platform, tokens)
+    return Estimate(overhead + us / efficiency, us, efficiency, overhead, basis)
 
 
 def estimate_experts(name: str, problem: MoEProblem, platform: Platform, tokens: int, profile: Profile,
@@ -192,8 +211,7 @@ def estimate_experts(name: str, problem: MoEProblem, platform: Platform, tokens:
     competes with, decide whether a generic estimate may stand in for a measurement (`Profile.points`);
     ``activation`` as for `roofline` (the format its mode reads activations in on ``platform``:
     `Mode.activation_format`)."""
-    us = roofline(problem, platform, tokens, activation=activation).us
-    return _estimate(name, us, problem, platform, tokens, profile, peers, activation)
+    return _estimate(name, experts_roofline(activation), problem, platform, tokens, profile, peers)
 
 
 def transport_us(pf_format: ActivationFormat, quantizes: bool, problem: MoEProblem, platform: Platform,
@@ -217,9 +235,10 @@ def transport_us(pf_format: ActivationFormat, quantizes: bool, problem: MoEProbl
 
 def estimate_transport(name: str, pf_format: ActivationFormat, quantizes: bool, problem: MoEProblem,
                        platform: Platform, tokens: int, profile: Profile) -> Estimate:
-    """Estimated time of PrepareFinalize ``name`` when its prepare ``quantizes`` activations or not."""
-    us = transport_us(pf_format, quantizes, problem, platform, tokens)
-    return _estimate(name, us, problem, platform, tokens, profile)
+    """Estimated time of PrepareFinalize ``name`` when its prepare ``quantizes`` activations or not; its
+    measurements (prepare + finalize per rank, `ProfileShape.ep_size`) are divided into `transport_us`."""
+    return _estimate(name, transport_roofline(pf_format, quantizes), problem, platform, tokens, profile,
+                     parallel=True)
 
 
 @dataclass(frozen=True)
@@ -238,5 +257,5 @@ class SharedEstimate:
 
 def estimate_shared(shared: MoEProblem, platform: Platform, tokens: int, profile: Profile) -> SharedEstimate:
     """Estimated time of the shared MLP ``shared`` (a one-expert, top-1 problem) for M=``tokens``."""
-    alone = _estimate(SHARED_EXPERTS, roofline(shared, platform, tokens).us, shared, platform, tokens, profile)
+    alone = _estimate(SHARED_EXPERTS, experts_roofline(), shared, platform, tokens, profile)
     return SharedEstimate(alone, overlapped=platform.is_cuda and tokens <= SHARED_OVERLAP_MAX_TOKENS)

@@ -18,9 +18,19 @@ many backends and platforms)::
             measured_us: 41.7        # a measurement instead of an efficiency, with the shape it was
             shape: {preset: deepseek-v3}   # measured at: a preset name, or num_experts, top_k,
                                            # hidden_size, intermediate_size, activation (default silu)
+      all_to_all:                    # a PrepareFinalize: its prepare + finalize alone (the experts' time
+        h200:                        #   taken out), per rank, M tokens per rank
+          - tokens: 16
+            quant: bf16
+            measured_us: 95.0
+            shape: {preset: deepseek-v3, ep_size: 2}   # ep_size: the ranks it spanned (default 1)
 
 A measurement becomes an efficiency by dividing its shape's roofline (on the same platform) by the
-measured time, so it also informs other shapes. ``python -m moe bench --save-profile PATH`` writes
+measured time, so it also informs other shapes: an Experts backend's the experts' roofline
+(`moe.oracle.cost.roofline`), a PrepareFinalize's what it moves (`moe.oracle.cost.transport_us`, over the
+interconnect at the shape's ``ep_size``). Experts shapes are taken at ``ep_size`` 1 (the bench times one
+GPU); a PrepareFinalize's shape keeps its ``ep_size``, so an EP2 measurement is "at this shape" only for an
+EP2 problem. ``python -m moe bench --save-profile PATH`` writes
 measurements with ``save_profile``; the oracle reads them from a policy's ``profiles`` or
 ``MOE_PROFILE=path[:path...]``.
 
@@ -52,7 +62,7 @@ import yaml
 
 from moe.errors import MoEConfigError
 from moe.platform import PRESET_NAMES, Platform
-from moe.problem import MoEProblem
+from moe.problem import MoEProblem, ParallelConfig
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 SCHEMA_VERSION = 1
@@ -61,7 +71,7 @@ ANY = "*"
 DEFAULT_EFFICIENCY = 0.02
 DEFAULT_OVERHEAD_US = 1000.0
 _ENTRY_KEYS = ("tokens", "quant", "efficiency", "measured_us", "overhead_us", "shape", "note")
-_SHAPE_KEYS = ("preset", "num_experts", "top_k", "hidden_size", "intermediate_size", "activation")
+_SHAPE_KEYS = ("preset", "num_experts", "top_k", "hidden_size", "intermediate_size", "activation", "ep_size")
 
 
 @dataclass(frozen=True)
@@ -74,27 +84,31 @@ class ProfileShape:
     intermediate_size: int
     activation: str = "silu"
     preset: str | None = None  # the preset it was read from, if any (saved as just the name)
+    ep_size: int = 1  # the ranks a PrepareFinalize measurement spanned; 1 for Experts measurements
 
     @classmethod
-    def of(cls, problem: MoEProblem, preset: str | None = None) -> "ProfileShape":
+    def of(cls, problem: MoEProblem, preset: str | None = None, *, parallel: bool = False) -> "ProfileShape":
+        """``problem``'s shape; ``parallel``: with its ``ep_size`` (a PrepareFinalize's), else at 1."""
         return cls(problem.num_experts, problem.top_k, problem.hidden_size, problem.intermediate_size,
-                   problem.activation.name, preset)
+                   problem.activation.name, preset, problem.parallel.ep_size if parallel else 1)
 
     def problem(self, quant: str, max_tokens: int) -> MoEProblem:
+        """The problem measured: rank 0 of ``ep_size`` ranks when it spanned several."""
         scheme = "bf16" if quant == ANY else quant
         return MoEProblem.create(num_experts=self.num_experts, top_k=self.top_k, hidden_size=self.hidden_size,
                                  intermediate_size=self.intermediate_size, activation=self.activation,
-                                 quant=scheme, max_tokens=max_tokens)
+                                 quant=scheme, max_tokens=max_tokens, parallel=ParallelConfig(self.ep_size))
 
     def same_layer(self, other: "ProfileShape") -> bool:
-        """Same E, k, H, I and activation (where it was read from does not matter)."""
-        fields = ("num_experts", "top_k", "hidden_size", "intermediate_size", "activation")
+        """Same E, k, H, I, activation and ranks (where it was read from does not matter)."""
+        fields = ("num_experts", "top_k", "hidden_size", "intermediate_size", "activation", "ep_size")
         return all(getattr(self, f) == getattr(other, f) for f in fields)
 
     def to_yaml(self) -> dict[str, Any]:
+        ranks = {"ep_size": self.ep_size} if self.ep_size > 1 else {}
         if self.preset is not None:
-            return {"preset": self.preset}
-        return {k: getattr(self, k) for k in _SHAPE_KEYS[1:]}
+            return {"preset": self.preset, **ranks}
+        return {**{k: getattr(self, k) for k in _SHAPE_KEYS[1:6]}, **ranks}
 
 
 @dataclass(frozen=True)
@@ -118,10 +132,11 @@ class ProfileEntry:
 
     @classmethod
     def measurement(cls, backend: str, platform: Platform, problem: MoEProblem, tokens: int, measured_us: float,
-                    *, preset: str | None = None, note: str = "") -> "ProfileEntry":
-        """What the bench records: ``backend`` ran ``problem`` with M=``tokens`` in ``measured_us``."""
+                    *, preset: str | None = None, note: str = "", parallel: bool = False) -> "ProfileEntry":
+        """What the bench records: ``backend`` ran ``problem`` with M=``tokens`` in ``measured_us``;
+        ``parallel``: a PrepareFinalize across ``problem.parallel.ep_size`` ranks (`ProfileShape.of`)."""
         return cls(backend, platform.kind, tokens, problem.quant_name, measured_us=measured_us,
-                   shape=ProfileShape.of(problem, preset), note=note)
+                   shape=ProfileShape.of(problem, preset, parallel=parallel), note=note)
 
     def key(self) -> tuple:
         return (self.backend, self.platform, self.quant, self.tokens, self.measured, self.shape)
@@ -338,13 +353,16 @@ def _parse_shape(value: Any, file: str, at: str) -> ProfileShape:
         raise MoEConfigError(f"{file}: {at} is required with measured_us (a preset name or the layer's sizes)")
     _require_mapping(value, file, at)
     _only_keys(value, _SHAPE_KEYS, file, at)
+    ep_size = value.get("ep_size", 1)
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+        raise MoEConfigError(f"{file}: {at}.ep_size must be an int >= 1, the ranks measured (got {ep_size!r})")
     if "preset" in value:
         from moe.presets import load_preset
 
         p = load_preset(value["preset"])
-        return ProfileShape(p.num_experts, p.top_k, p.hidden_size, p.intermediate_size, p.activation, p.name)
+        return ProfileShape(p.num_experts, p.top_k, p.hidden_size, p.intermediate_size, p.activation, p.name, ep_size)
     missing = [k for k in _SHAPE_KEYS[1:5] if k not in value]
     if missing:
         raise MoEConfigError(f"{file}: {at} lacks {missing}; give a preset or all of {', '.join(_SHAPE_KEYS[1:5])}")
     sizes = {k: int(_number(value[k], file, f"{at}.{k}")) for k in _SHAPE_KEYS[1:5]}
-    return ProfileShape(**sizes, activation=str(value.get("activation", "silu")))
+    return ProfileShape(**sizes, activation=str(value.get("activation", "silu")), ep_size=ep_size)

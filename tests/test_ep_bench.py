@@ -1,0 +1,72 @@
+"""benchmarks/ep_all_to_all.py on CPU (two gloo ranks, a scaled preset): its records (dispatch, experts,
+combine) and the PrepareFinalize measurements it writes for the oracle, also through
+benchmarks/make_measured_profile.py."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe.oracle import load_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+TRANSPORTS = ("all_to_all", "all_to_all_batched")
+
+
+def _module(name: str):
+    """A benchmarks/ script as a module, importable by name: the ranks are spawned processes that import
+    the function they run by its module's name."""
+    folder = str(ROOT / "benchmarks")
+    if folder not in sys.path:
+        sys.path.append(folder)  # last: nothing installed is shadowed
+    return importlib.import_module(name)
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ep")
+    argv = ["--device", "cpu", "--preset", "deepseek-v3", "--tokens", "1,4", "--experts", "torch_grouped,reference",
+            "--json", str(folder / "ep.json"), "--save-profile", str(folder / "ep.yaml"), "--machine", "cpu-smoke",
+            "--timeout", "120"]
+    assert _module("ep_all_to_all").main(argv) == 0
+    return json.loads((folder / "ep.json").read_text()), load_profile(folder / "ep.yaml")
+
+
+def test_records_split_the_forward_into_dispatch_experts_and_combine(smoke_run):
+    data, _ = smoke_run
+    rows = data["records"]
+    assert data["machine"] == "cpu-smoke" and data["ep"] == 2
+    assert {(r["prepare_finalize"], r["experts"]) for r in rows} == {
+        ("all_to_all", "torch_grouped"), ("all_to_all", "reference"), ("all_to_all_batched", "reference")}
+    for r in rows:
+        assert r["tokens_per_rank"] in (1, 4) and r["quant"] == "bf16" and r["preset"] == "deepseek-v3-scaled"
+        assert min(r["ep_ms"], r["dispatch_ms"], r["experts_ms"], r["single_gpu_ms"]) > 0
+        assert r["combine_ms"] == pytest.approx(max(r["ep_ms"] - r["dispatch_ms"] - r["experts_ms"], 0.0))
+        assert r["relative_error"] <= 1e-2, r  # the sharded layer against one process holding every expert
+
+
+def test_the_profile_holds_each_transport_s_smallest_time_beside_the_experts(smoke_run):
+    data, profile = smoke_run
+    rows = data["records"]
+    assert {(e.backend, e.tokens) for e in profile.entries} == {(pf, m) for pf in TRANSPORTS for m in (1, 4)}
+    for e in profile.entries:
+        assert e.platform == "cpu" and e.quant == "bf16" and e.measured
+        assert e.shape.ep_size == 2 and e.shape.preset is None  # a scaled preset: saved as its sizes
+        assert (e.shape.num_experts, e.shape.hidden_size) == (rows[0]["shape"]["num_experts"], rows[0]["shape"]["hidden_size"])
+        mine = [r for r in rows if r["prepare_finalize"] == e.backend and r["tokens_per_rank"] == e.tokens]
+        assert e.measured_us == pytest.approx(min(1000 * (r["ep_ms"] - r["experts_ms"]) for r in mine))
+
+
+def test_make_measured_profile_reads_an_expert_parallel_file(smoke_run, tmp_path, monkeypatch):
+    data, profile = smoke_run
+    maker = _module("make_measured_profile")
+    (tmp_path / "ep2.json").write_text(json.dumps(data))
+    monkeypatch.setattr(maker, "RESULTS", tmp_path)
+    entries = maker.measurements(maker.Machine("h200", {"ep2.json": ("records", None)}, "test"))
+    assert sorted((e.backend, e.tokens, e.measured_us) for e in entries) == \
+        sorted((e.backend, e.tokens, e.measured_us) for e in profile.entries)
+    assert {e.platform for e in entries} == {"h200"} and all(e.note == "benchmarks/results/ep2.json" for e in entries)
