@@ -178,9 +178,12 @@ class ModularKernel:
         ``validate`` also checks that every expert id is in range, which reads the ids on the host; pass
         False when the ids come from a Router (in range by construction) or inside a CUDA graph.
         """
-        self._check_hidden(hidden, shared_output)
+        over = self._too_many(hidden)
+        self._check_hidden(hidden, shared_output, tokens=not self.problem.parallel.enabled)
         self._check_topk(hidden, topk, validate)
-        space = self._sections(hidden.shape[0])
+        if over and not self.prepare_finalize.agrees_on_tokens:
+            return self._idle_then_raise(hidden, topk)
+        space = self._sections(self.problem.max_tokens if over else hidden.shape[0])  # over: prepare raises
         dispatched, route = self.prepare_finalize.prepare(hidden, topk, self.quantize_to, space[_PREPARE])
         experts_space, fresh = self._experts_space(space[_EXPERTS], hidden)
         output = _owned(self.experts.apply(dispatched, self._prepared, experts_space), fresh)
@@ -228,8 +231,21 @@ class ModularKernel:
         fresh = torch.empty((hidden.shape[0], self.problem.hidden_size), dtype=self.problem.dtype, device=hidden.device)
         return space.replacing(out=fresh), fresh
 
-    def _check_hidden(self, hidden: torch.Tensor, shared_output: torch.Tensor | PendingShared | None) -> None:
-        check_hidden(self.problem, self.workspace.device, hidden, pending_tensor(shared_output))
+    def _check_hidden(self, hidden: torch.Tensor, shared_output: torch.Tensor | PendingShared | None,
+                      tokens: bool = True) -> None:
+        check_hidden(self.problem, self.workspace.device, hidden, pending_tensor(shared_output), tokens=tokens)
+
+    def _too_many(self, hidden: torch.Tensor) -> bool:
+        """M > max_tokens on an expert-parallel rank: an error that the ranks must meet together."""
+        return self.problem.parallel.enabled and guard_or_false(hidden.shape[0] > self.problem.max_tokens)
+
+    def _idle_then_raise(self, hidden: torch.Tensor, topk: TopK) -> torch.Tensor:
+        """This rank has too many tokens and its transport cannot tell the others: it takes part in the
+        forward's collectives with no tokens, as an idle rank does, so no rank waits for it; then raises."""
+        self.forward(hidden[:0], TopK(topk.ids[:0], topk.weights[:0]), validate=False)
+        raise MoEConfigError(too_many_tokens(self.problem, hidden.shape[0], "hidden", "kernel") + "; this rank "
+                             f"took part in the forward with no tokens ({self.prepare_finalize.name} cannot tell "
+                             "the other ranks), so theirs completed without its tokens")
 
     def _check_topk(self, hidden: torch.Tensor, topk: TopK, validate: bool) -> None:
         check_topk(self.problem, hidden, topk, validate=validate)
@@ -273,6 +289,11 @@ def check_ids_in_range(problem: MoEProblem, ids: torch.Tensor, name: str) -> Non
             )
 
 
+def too_many_tokens(problem: MoEProblem, num_tokens: int, name: str, owner: str) -> str:
+    return (f"{name} has M={num_tokens} tokens, which exceeds max_tokens={problem.max_tokens} the {owner} was "
+            f"built for; build the {owner} with a larger max_tokens or split the batch")
+
+
 def check_hidden(
     problem: MoEProblem,
     device: torch.device,
@@ -281,10 +302,13 @@ def check_hidden(
     *,
     name: str = "hidden",
     owner: str = "kernel",
+    tokens: bool = True,
 ) -> None:
     """Raises `MoEConfigError` naming ``name`` unless ``hidden`` is ``[M, H]`` in the problem's dtype on
-    ``device``'s type with M <= max_tokens, and ``shared_output`` (if given) is shaped, typed and placed
-    like it. ``owner`` ("kernel", "layer") is what the messages say was built for the problem."""
+    ``device``'s type with M <= max_tokens (``tokens=False``: M unchecked, for expert parallelism, where
+    the ranks meet that error together: `PrepareFinalize.agrees_on_tokens`), and ``shared_output`` (if
+    given) is shaped, typed and placed like it. ``owner`` ("kernel", "layer") is what the messages say
+    was built for the problem."""
     p, built = problem, f"the {owner} was built for"
     if not isinstance(hidden, torch.Tensor):
         raise MoEConfigError(
@@ -301,11 +325,8 @@ def check_hidden(
         raise MoEConfigError(f"{name} is on {hidden.device} but {built} {device}")
     # an unbacked M (torch.compile, mark_unbacked) cannot be compared at trace time; the layer's bucket
     # lookup raises the same error when the op runs
-    if guard_or_false(hidden.shape[0] > p.max_tokens):
-        raise MoEConfigError(
-            f"{name} has M={hidden.shape[0]} tokens, which exceeds max_tokens={p.max_tokens} {built}; "
-            f"build the {owner} with a larger max_tokens or split the batch"
-        )
+    if tokens and guard_or_false(hidden.shape[0] > p.max_tokens):
+        raise MoEConfigError(too_many_tokens(p, hidden.shape[0], name, owner))
     if shared_output is None:
         return
     # a function, not a string: formatting M would specialize it under torch.compile

@@ -156,7 +156,11 @@ class FusedMoE(torch.nn.Module):
         return self._bucket_kernels[self._bucket(num_tokens)]
 
     def _bucket(self, num_tokens: int) -> int:
+        """M's bucket; past max_tokens under expert parallelism the last one, whose kernel meets that error
+        with the other ranks (`ModularKernel.forward`), else the error here."""
         index = bisect.bisect_left(self._edges, num_tokens)
+        if index == len(self._edges) and self.problem.parallel.enabled:
+            return index - 1
         if index == len(self._edges):
             raise MoEConfigError(
                 f"hidden_states has M={num_tokens} tokens, which exceeds max_tokens={self.problem.max_tokens} "
@@ -301,7 +305,8 @@ class FusedMoE(torch.nn.Module):
         if self.weights is None:
             raise MoEConfigError("FusedMoE has no weights; call load_weights or load_checkpoint first")
         # the layer's own argument names and sizes; the kernel checks hidden again under its own name
-        check_hidden(self.problem, self.device, hidden_states, shared_output, name="hidden_states", owner="layer")
+        check_hidden(self.problem, self.device, hidden_states, shared_output, name="hidden_states", owner="layer",
+                     tokens=not self.problem.parallel.enabled)  # under expert parallelism: all ranks, in the kernel
         if self.shared_experts is not None and shared_output is not None:
             raise MoEConfigError("shared_output: this layer computes its own shared experts (built with "
                                  "shared_experts=...); pass shared_output only to a layer built without them")

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from moe.errors import MoEConfigError
+from moe.prepare_finalize import LocalPrepareFinalize
+from moe.prepare_finalize.all_to_all import AllToAllPrepareFinalize, BatchedAllToAllPrepareFinalize
 from moe.tools.ep_demo import compare_on_rank, launch_ranks, round_robin_maps
 from moe.testing import TOLERANCES, regime_for, relative_error
 from tests.helpers import make_problem
@@ -128,7 +130,56 @@ def _run_cases(rank: int, world: int) -> dict:
             "truth_max": truth.float().abs().max().item() if truth.numel() else 0.0,
         }
     results["_probe"] = _probe_shapes(rank, world)
+    results["_too_many"] = _too_many_tokens(rank, world)
     return results
+
+
+class SilentAllToAll(AllToAllPrepareFinalize):
+    """``all_to_all`` as a transport that cannot tell the other ranks a rank's M (as ``flashinfer_a2a``,
+    whose one-sided writes exchange no counts): the kernel's fallback for those, on CPU."""
+
+    agrees_on_tokens = False
+
+
+def _too_many_tokens(rank: int, world: int) -> dict:
+    """Rank 0 has max_tokens + 4 tokens, the others 5; then every rank 3. Per transport (and through an
+    expert-parallel FusedMoE): each forward's outcome on this rank, and for the 5 tokens, the error against
+    one process holding every expert."""
+    from moe import FusedMoE, ModularKernel, ParallelConfig
+    from moe.experts.reference import ReferenceExperts
+    from moe.sharding import shard_weights
+    from moe.tools.ep_demo import random_layer, random_tokens
+
+    problem = dataclasses.replace(BF16, parallel=ParallelConfig(world, rank))
+    full = random_layer(BF16, 2)
+    single = ModularKernel(LocalPrepareFinalize(BF16), ReferenceExperts(BF16))
+    single.load(full)
+    outcomes = {}
+    for name, pf in (("all_to_all", AllToAllPrepareFinalize), ("all_to_all_batched", BatchedAllToAllPrepareFinalize),
+                     ("silent", SilentAllToAll), ("layer", None)):
+        if pf is None:
+            kernel = FusedMoE(BF16.num_experts, BF16.top_k, BF16.hidden_size, BF16.intermediate_size,
+                              dtype=BF16.dtype, quant="bf16", max_tokens=BF16.max_tokens, experts="reference",
+                              parallel=ParallelConfig(world, rank))
+            local = shard_weights(full, problem)
+            kernel.load_weights(w13=local.w13.data.float(), w2=local.w2.data.float())
+            call = lambda h, t: kernel(h, topk=t)  # noqa: E731
+        else:
+            kernel = ModularKernel(pf(problem), ReferenceExperts(problem))
+            kernel.load(shard_weights(full, problem))
+            call = kernel.forward
+        runs = []
+        for tokens in ((BF16.max_tokens + 4 if rank == 0 else 5), 3):
+            hidden, topk = random_tokens(BF16, tokens, 10 * rank + tokens)
+            try:
+                out = call(hidden, topk)
+            except MoEConfigError as error:
+                runs.append({"error": str(error)})
+                continue
+            truth = single.forward(hidden, topk)
+            runs.append({"shape": tuple(out.shape), "relative": relative_error(out, truth)})
+        outcomes[name] = runs
+    return outcomes
 
 
 def _probe_shapes(rank: int, world: int) -> dict:
@@ -205,3 +256,30 @@ def test_upper_bounds_and_locked_workspace(request, world):
         assert probe["reserved"] > probe["pf_bytes"]  # the kernel's reservation adds the experts' buffers
     # every token went to rank 0's experts: rank 0 received them all, once each
     assert ranks[0]["_probe"]["arrived"] == world * 16
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("transport", ["all_to_all", "all_to_all_batched", "layer"])
+def test_too_many_tokens_on_one_rank_raise_on_every_rank_and_the_next_batch_runs(request, world, transport):
+    """Issue 15's "zero hangs": M > max_tokens on rank 0 alone used to raise there before the collective and
+    leave the other ranks in it; now the ranks learn every M in their exchange of counts and all raise."""
+    _, ranks = request.getfixturevalue(f"group_ep{world}")
+    for rank, results in enumerate(ranks):
+        over, after = results["_too_many"][transport]
+        assert f"rank 0 has M={BF16.max_tokens + 4} tokens but max_tokens_per_rank=16" in over.get("error", ""), over
+        assert "every rank raises this" in over["error"]
+        assert after["shape"] == (3, BF16.hidden_size) and after["relative"] <= TOLERANCES[regime_for(BF16)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_transport_that_cannot_tell_the_others_runs_the_rank_idle_then_raises_there(request, world):
+    _, ranks = request.getfixturevalue(f"group_ep{world}")
+    for rank, results in enumerate(ranks):
+        over, after = results["_too_many"]["silent"]
+        if rank == 0:
+            assert "hidden has M=20 tokens, which exceeds max_tokens=16" in over.get("error", ""), over
+            assert "took part in the forward with no tokens" in over["error"]
+        else:  # the others completed, their tokens served by every rank's experts (rank 0's included)
+            assert over.get("shape") == (5, BF16.hidden_size), over
+            assert over["relative"] <= TOLERANCES[regime_for(BF16)]
+        assert after["shape"] == (3, BF16.hidden_size) and after["relative"] <= TOLERANCES[regime_for(BF16)]

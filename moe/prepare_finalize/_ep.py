@@ -285,6 +285,13 @@ class ExpertParallelPrepareFinalize(PrepareFinalize[R]):
         """The capacity and the workspace for the largest batch, known before the first forward."""
         return f"{self.name}: " + self.capacity.describe(self.workspace_shapes(self.problem.max_tokens).nbytes)
 
+    def _raise_on_overflow(self, reasons: list[str], fix: str) -> None:
+        """Raises the capacity error (the same on every rank: ``reasons`` come from counts all ranks
+        exchanged) unless ``reasons`` is empty; ``fix`` says what to change."""
+        if reasons:
+            raise MoEConfigError(f"{self.name}: the batch does not fit the capacity set at construction (every "
+                                 f"rank raises this): {'; '.join(reasons)}. {fix[0].upper()}{fix[1:]}")
+
     def _wire(self, quantize_to: QuantFormat) -> tuple[QuantFormat, RowCodec]:
         """The format tokens travel in for experts that want ``quantize_to``, and its codec."""
         if quantize_to not in self._wires:

@@ -72,6 +72,7 @@ class AllToAllPrepareFinalize(ExpertParallelPrepareFinalize[StandardRoute]):
     """Standard format; M' (rows arriving) varies per call, bounded by ``ep_size x max_tokens``."""
 
     name = "all_to_all"
+    agrees_on_tokens = True  # every rank's M travels with the counts (`_route`)
 
     def __init__(self, problem: MoEProblem, *, max_prefill_tokens: int | None = None):
         capacity = EPCapacity(problem.parallel.ep_size, problem.max_tokens, None, max_prefill_tokens)
@@ -105,11 +106,16 @@ class AllToAllPrepareFinalize(ExpertParallelPrepareFinalize[StandardRoute]):
     def _route(self, ids: torch.Tensor) -> StandardRoute:
         sends = self._destinations(ids)
         rank_token = sends.t().nonzero()  # (rank, token) pairs, rank-major, tokens ascending
-        send_counts = sends.sum(0)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        counts = torch.stack([send_counts, recv_counts]).tolist()  # the one host sync of prepare
-        return StandardRoute(rank_token[:, 1], tuple(counts[0]), tuple(counts[1]))
+        # to each rank: (rows sent to it, this rank's M); so every rank learns every rank's M in the one
+        # exchange of counts, and all raise together when one has too many tokens
+        counts = sends.sum(0, dtype=torch.int64)
+        send = torch.stack([counts, torch.full_like(counts, ids.shape[0])], 1)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        send_counts, recv_counts, tokens = torch.stack([send[:, 0], recv[:, 0], recv[:, 1]]).tolist()  # one sync
+        self._raise_on_overflow(self.capacity.overflow([], tokens, self.placement.owner),
+                                "build the layer with a larger max_tokens or split the batch")
+        return StandardRoute(rank_token[:, 1], tuple(send_counts), tuple(recv_counts))
 
     def _finalize_slots(self, out: torch.Tensor, kind: OutputKind, dispatched: Dispatched, route: StandardRoute,
                         topk: TopK) -> torch.Tensor:
@@ -141,6 +147,7 @@ class BatchedAllToAllPrepareFinalize(ExpertParallelPrepareFinalize[BatchedRoute]
 
     name = "all_to_all_batched"
     format = ActivationFormat.BATCHED  # refines the expert-parallel transport
+    agrees_on_tokens = True  # one all_reduce of every rank's M and per-expert loads (`_agree_capacity`)
 
     def __init__(self, problem: MoEProblem, *, max_tokens_per_rank: int | None = None,
                  max_tokens_per_expert: int | None = None, max_prefill_tokens: int | None = None):
@@ -230,13 +237,10 @@ class BatchedAllToAllPrepareFinalize(ExpertParallelPrepareFinalize[BatchedRoute]
         needed = torch.cat([loads, tokens])
         dist.all_reduce(needed, group=self.group)  # sum over ranks: loads over the group, every rank's M
         needed = needed.tolist()
-        reasons = capacity.overflow(needed[: p.num_experts], needed[p.num_experts:], self.placement.owner)
-        if reasons:
-            raise MoEConfigError(
-                f"{self.name}: the batch does not fit the capacity set at construction (every rank raises "
-                f"this): {'; '.join(reasons)}. Raise max_tokens_per_rank / max_tokens_per_expert "
-                f"(T = ep_size x max_tokens_per_rank = {capacity.rows_arriving} never overflows)"
-            )
+        self._raise_on_overflow(
+            capacity.overflow(needed[: p.num_experts], needed[p.num_experts:], self.placement.owner),
+            f"raise max_tokens_per_rank / max_tokens_per_expert (T = ep_size x max_tokens_per_rank = "
+            f"{capacity.rows_arriving} never overflows)")
 
     def _check_static(self, num_tokens: int) -> None:
         # Inside a CUDA graph no count can be read: only the worst-case T is safe, and M is a shape.

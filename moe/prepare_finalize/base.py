@@ -86,6 +86,11 @@ class PrepareFinalize(ABC, Generic[R]):
     # finalize returns an owned REDUCED output itself (`ExpertsOutput.owned`): then the kernel hands the
     # experts a fresh "out" to write, and the forward saves finalize's copy (one launch at decode)
     returns_owned_output: ClassVar[bool] = False
+    # expert parallelism: prepare compares every rank's M with the capacity inside a collective it makes
+    # anyway, and every rank raises the same error; so a kernel or layer leaves M > max_tokens to it (a rank
+    # raising alone would leave the others waiting in that collective). False under expert parallelism: the
+    # kernel runs this rank's part of the forward with no tokens, then raises on this rank alone
+    agrees_on_tokens: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)

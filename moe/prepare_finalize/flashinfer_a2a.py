@@ -21,6 +21,9 @@ How this package's contracts meet the kernel's:
   same value, and a fixed one needs no extra collective (at the price of experts seeing padded rows).
 - Per-slot outputs are weighted and summed over this rank's slots here; the partial sums travel
   home in the layer's dtype and FlashInfer's combine adds them.
+- No counts are exchanged, so a rank cannot learn another's M (``agrees_on_tokens`` is False): a rank
+  with M > max_tokens runs its part of the forward with no tokens, so the others finish theirs, and
+  raises alone (`moe.kernel.ModularKernel.forward`); the NCCL transports raise on every rank instead.
 """
 
 from __future__ import annotations
