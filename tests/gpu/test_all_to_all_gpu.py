@@ -1,6 +1,8 @@
 """Expert parallelism on 2 GPUs: ``all_to_all`` and ``all_to_all_batched`` over NCCL, and
-``flashinfer_a2a`` over NVLink (when flashinfer is installed), with the experts that run on GPU, against
-the single-GPU ``local + reference`` result on every rank's tokens at once.
+``flashinfer_a2a`` over NVLink (when flashinfer is installed), with the experts that run on GPU (the
+reference, torch_grouped, triton, flashinfer_cutlass), against the single-GPU ``local + reference`` result on
+every rank's tokens at once: random, skewed, idle ranks, one token, GPT-OSS biases, fp8 per-token rows on
+the wire; and a rank with too many tokens, which must leave no rank waiting.
 
 Needs two CUDA devices (``nvidia-h200-x2``); one group per transport runs every case (see
 tests/test_all_to_all.py for why).
@@ -14,6 +16,8 @@ import pytest
 import torch
 
 from moe.errors import MoEConfigError
+from moe.quant import QuantFormat
+from moe.router import TopK
 from moe.tools.ep_demo import compare_on_rank, launch_ranks
 from moe.testing import TOLERANCES, regime_for, relative_error
 from tests.helpers import make_problem
@@ -23,46 +27,86 @@ HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 pytestmark = pytest.mark.gpu
 
 PROBLEM = make_problem(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, max_tokens=64)
+# GPT-OSS's expert kind (biases, the clamped SwiGLU), and fp8 per-token activations: the reference experts
+# take them quantized, so they travel as fp8 rows with their scales
+GPT_OSS = make_problem(num_experts=16, top_k=4, hidden_size=256, intermediate_size=128, max_tokens=64,
+                       activation="swiglu_oai", has_bias=True)
+FP8_TOKEN = make_problem(QuantFormat.FP8_ROW, quant="fp8_token", num_experts=16, top_k=4, hidden_size=256,
+                         intermediate_size=128, max_tokens=64)
+EXPERTS = ("reference", "torch_grouped", "triton", "flashinfer_cutlass")
 
 
-def _experts_here() -> list[tuple[str, str]]:
-    """(prepare/finalize, experts) pairs whose experts are registered and serve PROBLEM on this GPU."""
+def _serves(experts: str, problem) -> bool:
     from moe.platform import Platform
     from moe.registry import experts_classes
 
-    pairs = [("all_to_all", "reference"), ("all_to_all", "torch_grouped"), ("all_to_all", "triton"),
-             ("all_to_all_batched", "reference"), ("all_to_all_batched", "triton_batched")]
-    classes, platform = experts_classes(), Platform.detect()
-    return [(pf, e) for pf, e in pairs if e in classes and not classes[e].check(PROBLEM, platform)]
+    classes = experts_classes()
+    return experts in classes and not classes[experts].check(problem, Platform.detect())
 
 
-# name -> (pf, experts, tokens per rank, options, expected)
-def _cases() -> dict:
+def _transport_cases(pf: str, experts_names) -> dict:
+    """name -> (problem, pf, experts, tokens per rank, options, expected) for one transport."""
     cases = {}
-    for pf, experts in _experts_here():
+    for experts in experts_names:
+        if not _serves(experts, PROBLEM):
+            continue
         cases |= {
-            f"{pf}-{experts}-random": (pf, experts, (37, 64), {}, "close"),
-            f"{pf}-{experts}-skewed": (pf, experts, (64, 21), {"skew_to_rank": 1}, "close"),
-            f"{pf}-{experts}-idle-rank": (pf, experts, (0, 17), {}, "close"),
-            f"{pf}-{experts}-all-idle": (pf, experts, (0, 0), {}, "close"),
+            f"{pf}-{experts}-random": (PROBLEM, pf, experts, (37, 64), {}, "close"),
+            f"{pf}-{experts}-skewed": (PROBLEM, pf, experts, (64, 21), {"skew_to_rank": 1}, "close"),
+            f"{pf}-{experts}-idle-rank": (PROBLEM, pf, experts, (0, 17), {}, "close"),
+            f"{pf}-{experts}-all-idle": (PROBLEM, pf, experts, (0, 0), {}, "close"),
+            f"{pf}-{experts}-one-token": (PROBLEM, pf, experts, (1, 0), {}, "close"),
+            f"{pf}-{experts}-one-token-each": (PROBLEM, pf, experts, (1, 1), {}, "close"),
         }
-    cases["batched-overflow"] = ("all_to_all_batched", "reference", (40, 40),
+        if _serves(experts, GPT_OSS):
+            cases[f"{pf}-{experts}-gpt-oss-bias"] = (GPT_OSS, pf, experts, (37, 21), {}, "close")
+    cases[f"{pf}-reference-fp8-per-token-wire"] = (FP8_TOKEN, pf, "reference", (37, 21), {}, "close")
+    return cases
+
+
+# name -> (problem, pf, experts, tokens per rank, options, expected)
+def _cases() -> dict:
+    cases = _transport_cases("all_to_all", EXPERTS)
+    for experts in ("reference", "triton_batched"):
+        if _serves(experts, PROBLEM):
+            cases |= {
+                f"all_to_all_batched-{experts}-random": (PROBLEM, "all_to_all_batched", experts, (37, 64), {}, "close"),
+                f"all_to_all_batched-{experts}-idle-rank": (PROBLEM, "all_to_all_batched", experts, (0, 17), {},
+                                                             "close"),
+            }
+    cases["batched-overflow"] = (PROBLEM, "all_to_all_batched", "reference", (40, 40),
                                  {"skew_to_rank": 0, "max_tokens_per_expert": 16}, "max_tokens_per_expert=16")
-    cases["batched-after-overflow"] = ("all_to_all_batched", "reference", (5, 9), {}, "close")
+    cases["batched-after-overflow"] = (PROBLEM, "all_to_all_batched", "reference", (5, 9), {}, "close")
     return cases
 
 
 def _flashinfer_cases() -> dict:
-    pairs = [("flashinfer_a2a", e) for _, e in _experts_here() if e in ("reference", "torch_grouped", "triton")]
-    cases = {}
-    for pf, experts in pairs:
-        cases |= {
-            f"{pf}-{experts}-random": (pf, experts, (37, 64), {}, "close"),
-            f"{pf}-{experts}-skewed": (pf, experts, (64, 21), {"skew_to_rank": 1}, "close"),
-            f"{pf}-{experts}-idle-rank": (pf, experts, (0, 17), {}, "close"),
-            f"{pf}-{experts}-all-idle": (pf, experts, (0, 0), {}, "close"),
-        }
-    return cases
+    return _transport_cases("flashinfer_a2a", EXPERTS)
+
+
+def _too_many(rank: int, transport: str) -> list[dict]:
+    """Rank 0 has max_tokens + 4 tokens, rank 1 has 5; then both 3: each forward's outcome on this rank."""
+    import dataclasses
+
+    from moe import ModularKernel, ParallelConfig
+    from moe.experts.reference import ReferenceExperts
+    from moe.registry import get_prepare_finalize
+    from moe.sharding import shard_weights
+    from moe.tools.ep_demo import random_layer, random_tokens
+
+    problem = dataclasses.replace(PROBLEM, parallel=ParallelConfig(2, rank))
+    kernel = ModularKernel(get_prepare_finalize(transport)(problem), ReferenceExperts(problem), device="cuda")
+    kernel.load(shard_weights(random_layer(PROBLEM, 3), problem).to("cuda"))
+    runs = []
+    for tokens in ((PROBLEM.max_tokens + 4 if rank == 0 else 5), 3):
+        hidden, topk = random_tokens(PROBLEM, tokens, 10 * rank + tokens)
+        try:
+            out = kernel.forward(hidden.cuda(), TopK(topk.ids.cuda(), topk.weights.cuda()))
+            torch.cuda.synchronize()
+            runs.append({"shape": tuple(out.shape)})
+        except MoEConfigError as error:
+            runs.append({"error": str(error)})
+    return runs
 
 
 def _run(rank: int, world: int, transport: str = "nccl") -> dict:
@@ -70,15 +114,16 @@ def _run(rank: int, world: int, transport: str = "nccl") -> dict:
         import moe.prepare_finalize.flashinfer_a2a  # noqa: F401 -- registers flashinfer_a2a
     results = {}
     cases = _flashinfer_cases() if transport == "flashinfer" else _cases()
-    for name, (pf, experts, tokens, options, _) in cases.items():
+    for name, (problem, pf, experts, tokens, options, _) in cases.items():
         try:
-            out, truth = compare_on_rank(rank, world, PROBLEM, pf, experts, tokens, device="cuda", **options)
+            out, truth = compare_on_rank(rank, world, problem, pf, experts, tokens, device="cuda", **options)
             torch.cuda.synchronize()
         except MoEConfigError as error:
             results[name] = {"error": str(error)}
             continue
         results[name] = {"shape": tuple(out.shape), "relative": relative_error(out, truth),
                          "max_abs": (out.float() - truth.float()).abs().max().item() if out.numel() else 0.0}
+    results["_too_many"] = _too_many(rank, "flashinfer_a2a" if transport == "flashinfer" else "all_to_all")
     return results
 
 
@@ -106,8 +151,25 @@ def test_flashinfer_two_gpus_match_one(flashinfer_group, name):
     _check(flashinfer_group, _flashinfer_cases()[name], name)
 
 
+def test_too_many_tokens_on_one_rank_hang_no_rank(nccl_group):
+    """all_to_all: every rank raises the same error, then both run the next batch."""
+    for rank, results in enumerate(nccl_group):
+        over, after = results["_too_many"]
+        assert "rank 0 has M=68 tokens but max_tokens_per_rank=64" in over.get("error", ""), over
+        assert after == {"shape": (3, PROBLEM.hidden_size)}
+
+
+def test_flashinfer_too_many_tokens_on_one_rank_hang_no_rank(flashinfer_group):
+    """flashinfer_a2a exchanges no counts: rank 0 takes part with no tokens and raises alone; rank 1 completes."""
+    over0, after0 = flashinfer_group[0]["_too_many"]
+    over1, after1 = flashinfer_group[1]["_too_many"]
+    assert "took part in the forward with no tokens" in over0.get("error", ""), over0
+    assert over1 == {"shape": (5, PROBLEM.hidden_size)}
+    assert after0 == after1 == {"shape": (3, PROBLEM.hidden_size)}
+
+
 def _check(group, case, name) -> None:
-    pf, experts, tokens, _, expected = case
+    problem, pf, experts, tokens, _, expected = case
     for rank, results in enumerate(group):
         result = results[name]
         print(f"rank {rank} {name}: {result}")
@@ -115,5 +177,5 @@ def _check(group, case, name) -> None:
             assert expected in result.get("error", ""), result
             continue
         assert "error" not in result, result
-        assert result["shape"] == (tokens[rank], PROBLEM.hidden_size)
-        assert result["relative"] <= TOLERANCES[regime_for(PROBLEM)], result
+        assert result["shape"] == (tokens[rank], problem.hidden_size)
+        assert result["relative"] <= TOLERANCES[regime_for(problem)], result
