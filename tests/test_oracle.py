@@ -25,6 +25,7 @@ from moe.platform import PRESET_NAMES, Platform
 from moe.prepare_finalize import LocalPrepareFinalize
 from moe.presets import load_preset, preset_names
 from moe.problem import MoEProblem, ParallelConfig
+from moe.quant import QuantFormat
 from moe.registry import experts_classes, prepare_finalize_classes
 from moe.testing import assert_close_moe
 
@@ -163,6 +164,22 @@ def test_plan_picks_the_measured_faster_transport_per_bucket(tmp_path):
     chosen = {b.high: b.chosen.pair.prepare_finalize for b in result.buckets}
     assert chosen == {1: "all_to_all", 64: "all_to_all", 1024: "flashinfer_a2a"}
     assert "flashinfer_a2a: 300.0 us [measured at this shape (ep.yaml)]" in result.explain()
+
+
+def test_a_weight_only_mode_reads_the_measurements_of_the_kernels_it_runs():
+    """W4A8 mxfp4 run weight-only (Triton below SM100) is the W4A16 kernels: it is estimated from their
+    measurements (measured-h200.yaml), not from a generic guess."""
+    from moe.oracle.cost import measured_as
+
+    h200 = Platform.preset("h200")
+    w4a8, w4a16 = (load_preset("gpt-oss-120b").problem(quant=q, max_tokens=64) for q in ("mxfp4_a_mxfp8", "mxfp4"))
+    assert measured_as(w4a8, QuantFormat.NONE) == "mxfp4" and measured_as(w4a8, None) == "mxfp4_a_mxfp8"
+    assert measured_as(MoEProblem.create(**SMALL, quant="nvfp4"), QuantFormat.NONE) == "nvfp4"  # no (nvfp4, none)
+    for m in (1, 16, 64):
+        weight_only = estimate_experts("triton", w4a8, h200, m, builtin_profile(), experts_classes(), QuantFormat.NONE)
+        same = estimate_experts("triton", w4a16, h200, m, builtin_profile(), experts_classes(), QuantFormat.NONE)
+        assert weight_only.us == pytest.approx(same.us) and weight_only.basis == same.basis
+        assert weight_only.basis.startswith("measured at this shape (measured-h200.yaml")
 
 
 @pytest.mark.parametrize("ep_size", [0, -1, "two", True])

@@ -28,7 +28,8 @@ The GEMM precision is the activations' format (fp8 -> "fp8", nvfp4 -> "fp4") or,
 activations (W4A16, bf16), the dtype. A weight-only mode (`Mode.weight_only`: e.g. nvfp4 on an H100, fp8
 on an A100) reads the activations unquantized whatever the scheme says: the caller passes
 ``activation=QuantFormat.NONE``, so its weights count at their quantized width and its input bytes and
-FLOPs at the dtype's. The prepare/finalize half costs its profile's overhead plus the
+FLOPs at the dtype's; where its kernels are another scheme's (W4A8 mxfp4 run as W4A16), it reads that
+scheme's measurements (`measured_as`). The prepare/finalize half costs its profile's overhead plus the
 bytes it moves: the batched format scatters and gathers every slot through memory, a prepare that
 quantizes activations reads and writes them once, and under expert parallelism each token crosses
 the interconnect once per remote rank owning any of its experts, and its result comes back.
@@ -52,7 +53,7 @@ from moe.oracle.profile import (
 )
 from moe.platform import Platform
 from moe.problem import MoEProblem
-from moe.quant import QuantFormat
+from moe.quant import SCHEME_PAIRS, QuantFormat, QuantScheme
 
 _F = QuantFormat
 # bits per stored weight element, scales included (block 128x128 fp32 scales and per-row scales are < 0.01)
@@ -195,11 +196,23 @@ def efficiency_at(points: tuple[ProfileEntry, ...], platform: Platform, tokens: 
     return values[-1][1], values[-1][2]
 
 
+def measured_as(problem: MoEProblem, activation: QuantFormat | None) -> str:
+    """The scheme whose measurements stand for ``problem``'s when its kernel reads activations in
+    ``activation``: a weight-only mode (NONE for a scheme that quantizes them) computes what the scheme of
+    the same weights and unquantized activations computes, where that is a scheme (W4A8 mxfp4 run weight-only
+    is W4A16 mxfp4, the same kernels); else the problem's own."""
+    weights_only = (problem.quant.weight, QuantFormat.NONE)
+    if activation is QuantFormat.NONE and problem.quant.activation is not QuantFormat.NONE and weights_only in SCHEME_PAIRS:
+        return QuantScheme(*weights_only).name
+    return problem.quant_name
+
+
 def _estimate(name: str, roofline_us: RooflineUs, problem: MoEProblem, platform: Platform, tokens: int,
-              profile: Profile, peers: Iterable[str] = (), parallel: bool = False) -> Estimate:
-    """``parallel``: a PrepareFinalize, whose measurements are matched at the problem's ``ep_size``."""
+              profile: Profile, peers: Iterable[str] = (), parallel: bool = False, scheme: str | None = None) -> Estimate:
+    """``parallel``: a PrepareFinalize, whose measurements are matched at the problem's ``ep_size``;
+    ``scheme``: whose measurements to read (default the problem's; `measured_as`)."""
     shape = ProfileShape.of(problem, parallel=parallel)
-    points, basis = profile.points(name, platform, problem.quant_name, shape, peers)
+    points, basis = profile.points(name, platform, scheme or problem.quant_name, shape, peers)
     efficiency, overhead = efficiency_at(points, platform, tokens, roofline_us)
     us = roofline_us(problem, platform, tokens)
     return Estimate(overhead + us / efficiency, us, efficiency, overhead, basis)
@@ -211,7 +224,8 @@ def estimate_experts(name: str, problem: MoEProblem, platform: Platform, tokens:
     competes with, decide whether a generic estimate may stand in for a measurement (`Profile.points`);
     ``activation`` as for `roofline` (the format its mode reads activations in on ``platform``:
     `Mode.activation_format`)."""
-    return _estimate(name, experts_roofline(activation), problem, platform, tokens, profile, peers)
+    return _estimate(name, experts_roofline(activation), problem, platform, tokens, profile, peers,
+                     scheme=measured_as(problem, activation))
 
 
 def transport_us(pf_format: ActivationFormat, quantizes: bool, problem: MoEProblem, platform: Platform,
