@@ -182,12 +182,16 @@ def test_a_weight_only_mode_reads_the_measurements_of_the_kernels_it_runs():
         assert weight_only.basis.startswith("measured at this shape (measured-h200.yaml")
 
 
-@pytest.mark.parametrize("ep_size", [0, -1, "two", True])
-def test_a_profile_shape_s_ep_size_must_be_a_rank_count(tmp_path, ep_size):
+@pytest.mark.parametrize("ep_size,match", [(0, "must be an int >= 1, the ranks measured"),
+                                           (-1, "must be an int >= 1, the ranks measured"),
+                                           ("two", "must be an int >= 1, the ranks measured"),
+                                           (True, "must be an int >= 1, the ranks measured"),
+                                           (3, "must divide num_experts=256, the ranks sharing the experts evenly")])
+def test_a_profile_shape_s_ep_size_must_be_a_rank_count(tmp_path, ep_size, match):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"backends": {"all_to_all": {"h200": [
         {"tokens": 1, "quant": "bf16", "measured_us": 3.0, "shape": {"preset": "deepseek-v3", "ep_size": ep_size}}]}}}))
-    with pytest.raises(MoEConfigError, match=rf"shape.ep_size must be an int >= 1, the ranks measured \(got {ep_size!r}\)"):
+    with pytest.raises(MoEConfigError, match=rf"shape.ep_size {match} \(got {ep_size!r}\)"):
         load_profile(path)
 
 

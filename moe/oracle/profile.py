@@ -360,9 +360,14 @@ def _parse_shape(value: Any, file: str, at: str) -> ProfileShape:
         from moe.presets import load_preset
 
         p = load_preset(value["preset"])
-        return ProfileShape(p.num_experts, p.top_k, p.hidden_size, p.intermediate_size, p.activation, p.name, ep_size)
-    missing = [k for k in _SHAPE_KEYS[1:5] if k not in value]
-    if missing:
-        raise MoEConfigError(f"{file}: {at} lacks {missing}; give a preset or all of {', '.join(_SHAPE_KEYS[1:5])}")
-    sizes = {k: int(_number(value[k], file, f"{at}.{k}")) for k in _SHAPE_KEYS[1:5]}
-    return ProfileShape(**sizes, activation=str(value.get("activation", "silu")), ep_size=ep_size)
+        shape = ProfileShape(p.num_experts, p.top_k, p.hidden_size, p.intermediate_size, p.activation, p.name, ep_size)
+    else:
+        missing = [k for k in _SHAPE_KEYS[1:5] if k not in value]
+        if missing:
+            raise MoEConfigError(f"{file}: {at} lacks {missing}; give a preset or all of {', '.join(_SHAPE_KEYS[1:5])}")
+        sizes = {k: int(_number(value[k], file, f"{at}.{k}")) for k in _SHAPE_KEYS[1:5]}
+        shape = ProfileShape(**sizes, activation=str(value.get("activation", "silu")), ep_size=ep_size)
+    if shape.num_experts % ep_size:
+        raise MoEConfigError(f"{file}: {at}.ep_size must divide num_experts={shape.num_experts}, the ranks sharing "
+                             f"the experts evenly (got {ep_size})")
+    return shape
