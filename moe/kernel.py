@@ -177,6 +177,10 @@ class ModularKernel:
 
         ``validate`` also checks that every expert id is in range, which reads the ids on the host; pass
         False when the ids come from a Router (in range by construction) or inside a CUDA graph.
+
+        Under expert parallelism M > max_tokens on one rank raises on every rank, from prepare
+        (`PrepareFinalize.agrees_on_tokens`), or, where the transport exchanges no counts, on this rank after
+        it took part in the forward with no tokens: never an error that leaves the other ranks waiting.
         """
         over = self._too_many(hidden)
         self._check_hidden(hidden, shared_output, tokens=not self.problem.parallel.enabled)
