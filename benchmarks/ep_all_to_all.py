@@ -7,9 +7,8 @@
 
 Every rank holds E/ep experts and M tokens; ``all_to_all`` and ``all_to_all_batched`` (NCCL) and, on
 GPUs with flashinfer installed, ``flashinfer_a2a`` (NVLink) move them. For each (scheme, prepare/finalize,
-experts, M) it reports, slowest rank, median of CUDA-event timings: the forward, the dispatch (``prepare``
-alone), the experts (``apply`` alone on the same dispatched rows), the combine (the rest: ``finalize``
-and the glue), the time one GPU holding all E experts takes for the ep x M tokens of all ranks (behind
+experts, M) it reports, slowest rank, median of CUDA-event timings: the forward, and inside the same
+forwards its dispatch (``prepare``), experts (``apply``) and combine (``finalize``; `PhaseTimer`), the time one GPU holding all E experts takes for the ep x M tokens of all ranks (behind
 ``local``, or ``batched`` for batched experts), and the relative error of the sharded output against that
 unsharded one. Weights are the preset's shapes, random values, in the scheme. No CUDA graphs: the NCCL
 transports exchange counts through the host.
@@ -40,7 +39,9 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -135,21 +136,67 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+class PhaseTimer:
+    """Times the phases inside a kernel's forwards: prepare (dispatch), apply (experts) and finalize (combine),
+    each bracketed by CUDA events on a GPU (the wall clock on a CPU). Inside one forward, not by calling a
+    phase again: a transport may hold state from prepare to finalize (FlashInfer's MoeAlltoAll asserts that
+    dispatch and combine alternate)."""
+
+    PHASES = (("dispatch", "prepare_finalize", "prepare"), ("experts", "experts", "apply"),
+              ("combine", "prepare_finalize", "finalize"))
+
+    def __init__(self, kernel: ModularKernel, cuda: bool):
+        self.kernel, self.cuda, self.marks = kernel, cuda, []
+
+    def __enter__(self) -> "PhaseTimer":
+        for phase, owner, method in self.PHASES:
+            obj = getattr(self.kernel, owner)
+            setattr(obj, method, self._timed(phase, getattr(obj, method)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for _, owner, method in self.PHASES:
+            delattr(getattr(self.kernel, owner), method)  # the instance's wrapper; the class method again
+
+    def _timed(self, phase: str, fn):
+        def call(*args, **kwargs):
+            start = self._mark()
+            result = fn(*args, **kwargs)
+            self.marks.append((phase, start, self._mark()))
+            return result
+        return call
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def medians(self, forward, reps: int = 20, warmup: int = 3) -> dict[str, float]:
+        """Median milliseconds of each phase over ``reps`` forwards after ``warmup``."""
+        for _ in range(warmup):
+            forward()
+        self.marks.clear()
+        for _ in range(reps):
+            forward()
+            if self.cuda:
+                torch.cuda.synchronize()
+        spans = {phase: [] for phase, _, _ in self.PHASES}
+        for phase, start, end in self.marks:
+            spans[phase].append(start.elapsed_time(end) if self.cuda else 1e3 * (end - start))
+        return {f"{phase}_ms": statistics.median(times) for phase, times in spans.items()}
+
+
 def _measure(rank, world, preset, full, kernel, single, m, device) -> dict:
     inputs = rank_inputs(preset, full, m, world, device)
     hidden, topk = inputs[rank]
     forward = lambda: kernel.forward(hidden, topk, validate=False)  # noqa: E731
     dist.barrier()
     ep_ms = median_ms(forward)
-    # the dispatch and the experts' share alone (prepare is collective: every rank times it together)
-    views = kernel.workspace.take_sections(kernel.workspace_shapes(m))
-    prepare = lambda: kernel.prepare_finalize.prepare(hidden, topk, kernel.quantize_to,  # noqa: E731
-                                                      views["prepare_finalize"])
     dist.barrier()
-    dispatch_ms = median_ms(prepare)
-    dispatched, _ = prepare()
-    prepared = kernel.prepared_weights
-    experts_ms = median_ms(lambda: kernel.experts.apply(dispatched, prepared, views["experts"]))
+    with PhaseTimer(kernel, device == "cuda") as timer:  # collective phases: every rank runs the same forwards
+        phases = timer.medians(forward)
     dist.barrier()
     # one GPU, all experts, every rank's tokens
     all_hidden = torch.cat([h for h, _ in inputs])
@@ -157,21 +204,19 @@ def _measure(rank, world, preset, full, kernel, single, m, device) -> dict:
     single_ms = median_ms(lambda: single.forward(all_hidden, all_topk, validate=False))
     out = forward()
     truth = single.forward(all_hidden, all_topk, validate=False)[rank * m:(rank + 1) * m]
-    return {"tokens_per_rank": m, "rank": rank, "ep_ms": ep_ms, "dispatch_ms": dispatch_ms,
-            "experts_ms": experts_ms, "single_gpu_ms": single_ms, "relative_error": relative_error(out, truth)}
+    return {"tokens_per_rank": m, "rank": rank, "ep_ms": ep_ms, **phases, "single_gpu_ms": single_ms,
+            "relative_error": relative_error(out, truth)}
 
 
-TIMES = ("ep_ms", "dispatch_ms", "experts_ms", "single_gpu_ms", "relative_error")
+TIMES = ("ep_ms", "dispatch_ms", "experts_ms", "combine_ms", "single_gpu_ms", "relative_error")
 
 
 def summarize(per_rank: list[list[dict]]) -> list[dict]:
-    """Slowest rank per (scheme, experts, prepare/finalize, M); largest error. The combine is what the
-    slowest forward spends beyond its dispatch and experts."""
+    """Slowest rank per (scheme, experts, prepare/finalize, M) and phase; largest error."""
     rows = []
     for records in zip(*per_rank):
         row = {k: v for k, v in records[0].items() if k != "rank"}
         row.update({key: max(r[key] for r in records) for key in TIMES})
-        row["combine_ms"] = max(row["ep_ms"] - row["dispatch_ms"] - row["experts_ms"], 0.0)
         rows.append(row)
     return rows
 

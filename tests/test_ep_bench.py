@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe.oracle import load_profile
 
@@ -44,8 +45,9 @@ def test_records_split_the_forward_into_dispatch_experts_and_combine(smoke_run):
         ("all_to_all", "torch_grouped"), ("all_to_all", "reference"), ("all_to_all_batched", "reference")}
     for r in rows:
         assert r["tokens_per_rank"] in (1, 4) and r["quant"] == "bf16" and r["preset"] == "deepseek-v3-scaled"
-        assert min(r["ep_ms"], r["dispatch_ms"], r["experts_ms"], r["single_gpu_ms"]) > 0
-        assert r["combine_ms"] == pytest.approx(max(r["ep_ms"] - r["dispatch_ms"] - r["experts_ms"], 0.0))
+        assert min(r["ep_ms"], r["dispatch_ms"], r["experts_ms"], r["combine_ms"], r["single_gpu_ms"]) > 0
+        # phases of forwards, not cumulative times (each rank's maximum, from other runs than ep_ms: slack)
+        assert r["dispatch_ms"] + r["experts_ms"] + r["combine_ms"] < 3 * r["ep_ms"], r
         assert r["relative_error"] <= 1e-2, r  # the sharded layer against one process holding every expert
 
 
@@ -70,3 +72,25 @@ def test_make_measured_profile_reads_an_expert_parallel_file(smoke_run, tmp_path
     assert sorted((e.backend, e.tokens, e.measured_us) for e in entries) == \
         sorted((e.backend, e.tokens, e.measured_us) for e in profile.entries)
     assert {e.platform for e in entries} == {"h200"} and all(e.note == "benchmarks/results/ep2.json" for e in entries)
+
+
+def test_the_phase_timer_brackets_each_phase_of_each_forward_and_restores_the_kernel():
+    from moe import ModularKernel, MoEProblem, Router
+    from moe.experts.reference import ReferenceExperts
+    from moe.prepare_finalize import LocalPrepareFinalize
+    from moe.tools.ep_demo import random_layer
+
+    problem = MoEProblem.create(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32, quant="fp32")
+    kernel = ModularKernel(LocalPrepareFinalize(problem), ReferenceExperts(problem))
+    kernel.load(random_layer(problem, 0))
+    hidden = torch.randn(5, 64)
+    topk = Router("softmax", 8, 2)(torch.randn(5, 8))
+    want = kernel.forward(hidden, topk)
+    timer_cls = _module("ep_all_to_all").PhaseTimer
+    with timer_cls(kernel, cuda=False) as timer:
+        medians = timer.medians(lambda: kernel.forward(hidden, topk), reps=4, warmup=1)
+        assert torch.equal(kernel.forward(hidden, topk), want)  # timed, not changed
+    assert [phase for phase, _, _ in timer.marks[:6]] == ["dispatch", "experts", "combine"] * 2
+    assert len(timer.marks) == 3 * 5 and all(end >= start for _, start, end in timer.marks)
+    assert set(medians) == {"dispatch_ms", "experts_ms", "combine_ms"} and min(medians.values()) >= 0
+    assert "prepare" not in vars(kernel.prepare_finalize) and "apply" not in vars(kernel.experts)  # restored
