@@ -138,7 +138,7 @@ def test_bench_without_gpu_says_so(capsys):
     assert "CUDA" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "fp8_block", "mxfp4"])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8_block", "mxfp4", "mxfp4_a_mxfp8", "nvfp4", "mxfp8"])
 @pytest.mark.parametrize("rows_per_expert", [0.1, 4, 20, 64, 300, 5000])
 def test_tune_search_space_is_valid(scheme, rows_per_expert):
     for block_m in tune.candidate_block_ms(rows_per_expert):
@@ -148,10 +148,30 @@ def test_tune_search_space_is_valid(scheme, rows_per_expert):
             for t in tiles:
                 if scheme == "fp8_block":
                     assert 128 % t.block_k == 0
-                if scheme == "mxfp4":
-                    assert t.block_k >= 64 and not t.tma  # no TMA descriptor over packed nibbles
+                if scheme in ("mxfp4", "mxfp4_a_mxfp8", "nvfp4", "mxfp8"):  # scale words: no TMA descriptor
+                    assert t.block_k >= 64 and t.block_k % 32 == 0 and not t.tma
                 if t.tma:
                     assert t.block_k <= 128
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp8", "mxfp4_a_mxfp8"])
+def test_tune_times_weight_only_schemes_on_unquantized_activations(scheme):
+    """The tuner builds what TritonExperts runs: a weight-only scheme's GEMMs read unquantized activations
+    (the tuner used to quantize them to the scheme's format, for which their workspace has no buffer)."""
+    from moe.experts._triton.gemm import QUANT_CODES
+    from moe.quant import QuantScheme
+
+    preset = load_preset("qwen3-30b-a3b").scaled(max_hidden=128, max_intermediate=64, max_experts=8)
+    cpu = torch.device("cpu")
+    case = tune.make_case(preset, scheme, 8, bench.build_weights(preset.problem(quant=scheme, max_tokens=8), cpu), cpu)
+    assert case.weights.weight_only
+    tiles = tune.candidate_tiles(16, False, scheme, 2.0)[:2]
+    first, second, _ = tune.gemm_launches(case, 16, True, tiles, tiles, cpu)  # direct: no alignment launch
+    launches = [launch for per_tile in (*first.values(), *second.values()) for launch in per_tile]
+    assert len(launches) == 2 * 2 * 2  # 2 tiles x 2 input sets, each GEMM
+    for launch in launches:
+        assert launch.constexprs["QUANT"] == QUANT_CODES[QuantScheme.from_name(scheme).weight]
+        assert launch.args[1] is launch.args[2]  # no activation scale: the weights stand in, never read
 
 
 def test_the_peer_targets_are_data_under_benchmarks():

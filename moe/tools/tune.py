@@ -35,6 +35,8 @@ from moe.experts._triton.support import config_key, quantize_activation
 from moe.experts.triton import TritonExperts
 from moe.formats import ActivationFormat, DispatchShape
 from moe.presets import load_preset, preset_names
+from moe.experts._triton.weights import SCALE_WORD_FORMATS
+from moe.quant import QuantFormat, QuantScheme
 from moe.quant.scheme import SCHEME_NAMES
 from moe.registry import get_experts
 from moe.tools.bench import backend_calls, build_weights, make_inputs, time_calls
@@ -77,7 +79,8 @@ def candidate_tiles(block_m: int, wide_output: bool, scheme: str, rows_per_exper
     sorted order first, then loaded by TMA too), the path that won on the H100 at BLOCK_M 128
     (benchmarks/results/tma_a_nvidia-h100.md).
     """
-    ks = {"fp8_block": (64, 128), "mxfp4": (64, 128, 256)}.get(scheme)
+    weight = QuantScheme.from_name(scheme).weight
+    ks = {QuantFormat.FP8_BLOCK: (64, 128), QuantFormat.MXFP4: (64, 128, 256)}.get(weight)
     groups = (1,) if rows_per_expert <= block_m else (1, 8)
     if block_m == 16:
         ns = (64, 128, 256) if wide_output else (32, 64, 128)
@@ -90,8 +93,9 @@ def candidate_tiles(block_m: int, wide_output: bool, scheme: str, rows_per_exper
         groups = (8,) if rows_per_expert >= 256 else (1, 8)
         space = itertools.product(ns, ks or (64, 128), (4, 8), (3, 4), groups)
     tiles = [TileConfig(n, k, g, w, s) for n, k, w, s, g in space]
-    # weight tiles by TMA as well, where the weights allow it (not MXFP4) and the box is <= 128 wide
-    if scheme != "mxfp4":
+    # weight tiles by TMA as well, where the weights allow it (not those with scale words: MXFP4, NVFP4,
+    # MXFP8) and the box is <= 128 wide
+    if weight not in SCALE_WORD_FORMATS:
         tiles += [dataclasses.replace(t, tma=True) for t in tiles if t.block_k <= 128]
     if scheme in TMA_A_SCHEMES and block_m >= 64:  # a gated 256-column tile overflows shared memory
         tiles += [dataclasses.replace(t, tma_a=True) for t in tiles if t.tma and (wide_output or t.block_n < 256)]
@@ -153,13 +157,14 @@ def gemm_launches(case: TuneCase, block_m: int, direct: bool, tiles1, tiles2, de
             aligns.append(lambda args=args: align_block_size(*args))
             rows1, rows2 = SortedRows(layout, slots, p.top_k), SortedRows(layout, slots, 1)
         here = RowValidity.slots_here(topk.ids, w.expert_map)
-        x, x_scale = quantize_activation(hidden, p.quant.activation, "x", ws, RowValidity())
+        act = QuantFormat.NONE if w.weight_only else p.quant.activation  # what the GEMMs read, as in apply
+        x, x_scale = quantize_activation(hidden, act, "x", ws, RowValidity())
         inter, y = ws["inter"][:slots], ws["y"][:slots]
         for t in tiles1:
             first[t].append(_tma_a_gemm1(case, x, rows1, ws, t) if t.tma_a and not direct
                             else gemm_launch(x, x_scale, w.w13, inter, rows1, p.activation, block_m, t))
         ws["inter"].normal_()  # a realistic intermediate for the second GEMM's input
-        a2, a2_scale = quantize_activation(inter, p.quant.activation, "inter", ws, here)
+        a2, a2_scale = quantize_activation(inter, act, "inter", ws, here)
         for t in tiles2:
             second[t].append(_tma_a_gemm2(case, rows1, ws, t) if t.tma_a and not direct
                              else gemm_launch(a2, a2_scale, w.w2, y, rows2, None, block_m, t))

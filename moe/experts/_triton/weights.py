@@ -35,8 +35,9 @@ from moe.quant import QuantFormat
 from moe.weights import ExpertWeights
 
 MX_GROUP = 32
-# the formats whose scales the kernels read as words (mxfp4_scale_words); their K loops load by pointer
-_SCALE_WORD_FORMATS = (QuantFormat.MXFP4, QuantFormat.NVFP4, QuantFormat.MXFP8)
+# the formats whose scales the kernels read as words (mxfp4_scale_words); their K loops load by pointer,
+# so their weights take no TMA tiles
+SCALE_WORD_FORMATS = (QuantFormat.MXFP4, QuantFormat.NVFP4, QuantFormat.MXFP8)
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class WeightOperand:
         if key not in self.descriptors:
             data = self.data
             rows_aligned = (data.shape[-1] * data.element_size()) % 16 == 0
-            if self.fmt in _SCALE_WORD_FORMATS or not data.is_contiguous() or not rows_aligned:
+            if self.fmt in SCALE_WORD_FORMATS or not data.is_contiguous() or not rows_aligned:
                 raise MoEConfigError(
                     f"tma=True needs contiguous dense or fp8 weights with 16-byte rows (got {self.fmt.value}, "
                     f"shape {tuple(data.shape)}, {data.dtype}); use tma=False for this scheme")
