@@ -290,7 +290,7 @@ class ExpertParallelPrepareFinalize(PrepareFinalize[R]):
         exchanged) unless ``reasons`` is empty; ``fix`` says what to change."""
         if reasons:
             raise MoEConfigError(f"{self.name}: the batch does not fit the capacity set at construction (every "
-                                 f"rank raises this): {'; '.join(reasons)}. {fix[0].upper()}{fix[1:]}")
+                                 f"rank raises this): {'; '.join(reasons)}. {fix}")
 
     def _wire(self, quantize_to: QuantFormat) -> tuple[QuantFormat, RowCodec]:
         """The format tokens travel in for experts that want ``quantize_to``, and its codec."""

@@ -114,7 +114,7 @@ class AllToAllPrepareFinalize(ExpertParallelPrepareFinalize[StandardRoute]):
         dist.all_to_all_single(recv, send, group=self.group)
         send_counts, recv_counts, tokens = torch.stack([send[:, 0], recv[:, 0], recv[:, 1]]).tolist()  # one sync
         self._raise_on_overflow(self.capacity.overflow([], tokens, self.placement.owner),
-                                "build the layer with a larger max_tokens or split the batch")
+                                "Build the layer with a larger max_tokens or split the batch")
         return StandardRoute(rank_token[:, 1], tuple(send_counts), tuple(recv_counts))
 
     def _finalize_slots(self, out: torch.Tensor, kind: OutputKind, dispatched: Dispatched, route: StandardRoute,
@@ -239,7 +239,7 @@ class BatchedAllToAllPrepareFinalize(ExpertParallelPrepareFinalize[BatchedRoute]
         needed = needed.tolist()
         self._raise_on_overflow(
             capacity.overflow(needed[: p.num_experts], needed[p.num_experts:], self.placement.owner),
-            f"raise max_tokens_per_rank / max_tokens_per_expert (T = ep_size x max_tokens_per_rank = "
+            f"Raise max_tokens_per_rank / max_tokens_per_expert (T = ep_size x max_tokens_per_rank = "
             f"{capacity.rows_arriving} never overflows)")
 
     def _check_static(self, num_tokens: int) -> None:
