@@ -132,3 +132,11 @@ def test_format_k_multiples():
     }
     assert {f: f.k_multiple for f in QuantFormat} == expected
     assert [f for f in QuantFormat if f.is_packed_fp4] == [F.MXFP4, F.NVFP4]
+
+
+@pytest.mark.parametrize("name,want", [("mxfp4_a_mxfp8", "mxfp4"), ("mxfp4", None), ("nvfp4", None), ("mxfp8", None),
+                                       ("fp8_block", None), ("unquantized", None)])
+def test_the_scheme_a_weight_only_kernel_runs(name, want):
+    """W4A8 mxfp4 run weight-only is W4A16 mxfp4; no other scheme's weights come with unquantized activations."""
+    same = QuantScheme.from_name(name).with_unquantized_activations()
+    assert (same.name if same else None) == want

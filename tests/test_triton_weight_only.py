@@ -167,6 +167,17 @@ def test_prepare_picks_weight_only_by_scheme_on_the_cpu():
     assert prepared.w13.scale.dtype == torch.int32 and prepared.w13.scale.shape == (8, 2 * 96, 1)  # K = 64: 1 word
 
 
+def test_w4a8_mxfp4_reads_the_w4a16_config_tables():
+    """Same kernels, same tuned tables (e.g. GPT-OSS-120B's H200 mxfp4 table); the batched experts, which
+    have no weight-only path, and schemes whose weights take no unquantized activations keep their own."""
+    cpu = torch.device("cpu")
+    w4a8, w4a16, nvfp4 = (make_problem(q) for q in ("mxfp4_a_mxfp8", "mxfp4", "nvfp4"))
+    assert config_key(w4a8, "standard", cpu) == config_key(w4a16, "standard", cpu)
+    assert config_key(w4a8, "standard", cpu).scheme == "mxfp4"
+    assert config_key(w4a8, "batched", cpu).scheme == "mxfp4_a_mxfp8"
+    assert config_key(nvfp4, "standard", cpu).scheme == "nvfp4"
+
+
 def test_w4a8_mxfp4_runs_as_w4a16():
     """mxfp4_a_mxfp8 on a GPU without mxfp8 MMA: the MXFP4 kernels with unquantized activations, bit for bit
     the W4A16 layer on the same weights, its decode kernels included (M = 2: 4 slots; M = 33: grouped)."""

@@ -50,6 +50,7 @@ from moe.experts._triton.support import (
     check_input,
     config_key,
     extra_reasons,
+    gpu_of,
     platform_reasons,
     quant_buffers,
     quantize_activation,
@@ -166,14 +167,6 @@ class TritonExperts(Experts):
         # 4. router weights and the sum over k
         combine_slots_kernel(y, dispatched.topk.weights, ids, weights.expert_map, out)
         return ExpertsOutput(OutputKind.REDUCED, out)
-
-
-def gpu_of(device: torch.device) -> Platform | None:
-    """The GPU ``device`` is, as far as the modes ask (its compute capability); None off CUDA."""
-    if device.type != "cuda":
-        return None
-    return Platform(name=torch.cuda.get_device_name(device), device="cuda",
-                    capability=torch.cuda.get_device_capability(device))
 
 
 def triton_sizes(weights: TritonWeights) -> tuple[int, int, int]:

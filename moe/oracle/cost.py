@@ -53,7 +53,7 @@ from moe.oracle.profile import (
 )
 from moe.platform import Platform
 from moe.problem import MoEProblem
-from moe.quant import SCHEME_PAIRS, QuantFormat, QuantScheme
+from moe.quant import QuantFormat
 
 _F = QuantFormat
 # bits per stored weight element, scales included (block 128x128 fp32 scales and per-row scales are < 0.01)
@@ -198,13 +198,11 @@ def efficiency_at(points: tuple[ProfileEntry, ...], platform: Platform, tokens: 
 
 def measured_as(problem: MoEProblem, activation: QuantFormat | None) -> str:
     """The scheme whose measurements stand for ``problem``'s when its kernel reads activations in
-    ``activation``: a weight-only mode (NONE for a scheme that quantizes them) computes what the scheme of
-    the same weights and unquantized activations computes, where that is a scheme (W4A8 mxfp4 run weight-only
-    is W4A16 mxfp4, the same kernels); else the problem's own."""
-    weights_only = (problem.quant.weight, QuantFormat.NONE)
-    if activation is QuantFormat.NONE and problem.quant.activation is not QuantFormat.NONE and weights_only in SCHEME_PAIRS:
-        return QuantScheme(*weights_only).name
-    return problem.quant_name
+    ``activation``: a weight-only mode (NONE) computes what the scheme of the same weights and unquantized
+    activations computes, where that is a scheme (W4A8 mxfp4 run weight-only is W4A16 mxfp4, the same
+    kernels: `QuantScheme.with_unquantized_activations`); else the problem's own."""
+    same_kernels = problem.quant.with_unquantized_activations()
+    return same_kernels.name if activation is QuantFormat.NONE and same_kernels else problem.quant_name
 
 
 def _estimate(name: str, roofline_us: RooflineUs, problem: MoEProblem, platform: Platform, tokens: int,

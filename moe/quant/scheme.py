@@ -178,6 +178,13 @@ class QuantScheme:
         """The canonical name: "unquantized" for (NONE, NONE), "mxfp4_a_mxfp8" for W4A8 mxfp4."""
         return _CANONICAL_NAME[(self.weight, self.activation)]
 
+    def with_unquantized_activations(self) -> QuantScheme | None:
+        """These weights with unquantized activations, where that is a scheme of its own: W4A8 mxfp4 ->
+        W4A16 mxfp4 (what a weight-only kernel runs, `moe.experts.mode.Mode.weight_only`); None where it is
+        not (nvfp4, mxfp8 and fp8 weights come with quantized activations only) or is this scheme."""
+        pair = (self.weight, QuantFormat.NONE)
+        return QuantScheme(*pair) if pair in SCHEME_PAIRS and pair != (self.weight, self.activation) else None
+
     @property
     def is_quantized(self) -> bool:
         """True if either the weights or the activations are stored in a quantized format."""

@@ -66,14 +66,28 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
+def gpu_of(device: torch.device) -> Platform | None:
+    """The GPU ``device`` is, as far as the modes ask (its compute capability); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return Platform(name=torch.cuda.get_device_name(device), device="cuda",
+                    capability=torch.cuda.get_device_capability(device))
+
+
 def config_key(problem: MoEProblem, fmt: str, device: torch.device) -> ConfigKey:
+    """The key of ``problem``'s launch-config table on ``device``. A standard-format weight-only run whose
+    kernels are another scheme's (W4A8 mxfp4 runs as W4A16: `QuantScheme.with_unquantized_activations`)
+    shares that scheme's tables, tuned or packaged."""
+    scheme, same_kernels = problem.quant_name, problem.quant.with_unquantized_activations()
+    if fmt == "standard" and same_kernels and activation_format(problem, gpu_of(device)) is QuantFormat.NONE:
+        scheme = same_kernels.name
     return ConfigKey(
         num_experts=problem.local_num_experts,
         top_k=problem.top_k,
         hidden_size=problem.hidden_size,
         intermediate_size=problem.intermediate_size,
         activation=problem.activation.name,
-        scheme=problem.quant_name,
+        scheme=scheme,
         format=fmt,
         device=device_name(device),
     )
