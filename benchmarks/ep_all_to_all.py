@@ -237,12 +237,13 @@ def transport_entries(rows: list[dict], platform: Platform, note: str = "") -> l
     own cost; a slower experts backend's tail would only add its wait to it)."""
     best: dict[tuple, float] = {}
     for r in rows:
-        key = (r["prepare_finalize"], r["quant"], r["preset"], json.dumps(r["shape"]), r["ep"], r["tokens_per_rank"])
+        key = (r["prepare_finalize"], r["quant"], r["preset"], tuple(sorted(r["shape"].items())), r["ep"],
+               r["tokens_per_rank"])
         us = 1000.0 * max(r["ep_ms"] - r["experts_ms"], 1e-3)
         best[key] = min(best.get(key, us), us)
     entries = []
     for (pf_name, quant, preset, shape, ep, m), us in best.items():
-        problem = MoEProblem.create(**json.loads(shape), quant=quant, max_tokens=m, parallel=ParallelConfig(ep))
+        problem = MoEProblem.create(**dict(shape), quant=quant, max_tokens=m, parallel=ParallelConfig(ep))
         label = preset if preset in preset_names() else None  # a scaled smoke-run preset: its sizes instead
         entries.append(ProfileEntry.measurement(pf_name, platform, problem, m, us, preset=label, note=note,
                                                 parallel=True))
