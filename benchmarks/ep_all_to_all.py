@@ -10,27 +10,24 @@ GPUs with flashinfer installed, ``flashinfer_a2a`` (NVLink) move them. For each 
 experts, M) it reports, slowest rank, median of CUDA-event timings: the forward, and inside the same
 forwards its dispatch (``prepare``), experts (``apply``) and combine (``finalize``; `PhaseTimer`), the time one GPU holding all E experts takes for the ep x M tokens of all ranks (behind
 ``local``, or ``batched`` for batched experts), and the relative error of the sharded output against that
-unsharded one. Weights are the preset's shapes, random values, in the scheme. No CUDA graphs: the NCCL
-transports exchange counts through the host.
+unsharded one. Weights are the preset's shapes, random values, in the scheme. Where the transport and the
+experts capture in a CUDA graph (``flashinfer_a2a``, ``all_to_all_batched``; not ``all_to_all``, which reads
+its counts on the host) the whole forward is also timed as a graph replay, as are the experts' apply alone and
+the one-GPU layer.
 
 ``--save-profile`` writes each transport's prepare + finalize time (forward minus experts; the smallest
 over the experts backends it ran with) as PrepareFinalize measurements at ``ep_size`` ranks
 (`moe.oracle.profile`), which ``benchmarks/make_measured_profile.py`` also reads from a committed
 ``--json`` file: the oracle's ``plan --ep N`` then ranks the transports per bucket by these times.
 
-Measured 2026-11-22 on nvidia-h200-x2 (2 x H200, NV18), DeepSeek-V3 routed experts (E=256, k=8,
-H=7168, I=2048, grouped sigmoid routing), 128 experts per GPU, median of 20, slowest rank:
+Measured 2026-11-28 on nvidia-h200-x2 (2 x H200, NV18), slowest rank, median of 20; everything in
+results/ep2_nvidia-h200-x2.md. DeepSeek-V3 bf16, triton experts, 128 experts per GPU, ms:
 
-| experts | prepare/finalize | M per rank | EP2 forward ms | experts ms | comm+glue ms | 1 GPU, 2xM tokens ms |
-|---|---|---|---|---|---|---|
-| torch_grouped | all_to_all | 16 / 128 / 512 / 1024 | 4.90 / 6.30 / 7.32 / 8.36 | 3.61 / 5.08 / 6.00 / 6.87 | 1.30 / 1.22 / 1.32 / 1.49 | 6.14 / 8.79 / 9.70 / 10.53 |
-| triton | all_to_all | 16 / 128 / 512 / 1024 | 3.23 / 3.95 / 5.73 / 6.69 | 1.96 / 3.00 / 3.97 / 5.10 | 1.27 / 0.95 / 1.75 / 1.59 | 4.06 / 5.97 / 7.94 / 9.92 |
-| triton_batched | all_to_all_batched | 16 / 128 / 512 / 1024 | 8.17 / 9.41 / 8.82 / 9.89 | 3.06 / 4.35 / 3.78 / 4.72 | 5.12 / 5.06 / 5.03 / 5.17 | 9.05 / 10.00 / 9.81 / 12.60 |
-
-Relative error against one GPU: torch_grouped <= 1.6e-5 (float32 partial sums), triton and triton_batched
-2.8e-3 (their partial sums travel in bf16). The batched transport is sized by its capacity, not by M
-(max_tokens_per_rank = 1024 here, so every call moves and combines ep x 1024 rows): size it to the
-decode batch. Its ~5 ms of glue was not profiled further.
+| M per rank | flashinfer_a2a graph | its experts (graph) | all_to_all eager | 1 GPU, 2xM tokens, graph |
+|---|---|---|---|---|
+| 1 | 0.295 | 0.265 | 1.000 | 0.343 |
+| 16 | 1.711 | 1.681 | 2.764 | 3.254 |
+| 1024 | 4.579 | 4.463 | 5.547 | 8.811 |
 """
 
 from __future__ import annotations
@@ -188,6 +185,44 @@ class PhaseTimer:
         return {f"{phase}_ms": statistics.median(times) for phase, times in spans.items()}
 
 
+def graph_ms(forward, *, collective: bool) -> float:
+    """Median milliseconds of one replay of ``forward`` captured in a CUDA graph (warmed up on the capture
+    stream first). ``collective``: every rank captures and replays the same forward, in step."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward()
+        with torch.cuda.graph(graph, stream=stream):
+            forward()
+    torch.cuda.synchronize()
+    if collective:
+        dist.barrier()
+    return median_ms(graph.replay)
+
+
+def _experts_graph_ms(kernel: ModularKernel, forward) -> float:
+    """The experts' apply alone as a CUDA-graph replay, on the rows one forward dispatched to this rank: the
+    experts' own GPU time, without the host gaps between their launches that the eager phase holds."""
+    experts, kept = kernel.experts, {}
+    apply = experts.apply
+
+    def keep(*args, **kwargs):
+        kept.update(args=args, kwargs=kwargs)
+        return apply(*args, **kwargs)
+
+    experts.apply = keep  # an instance attribute over the class's method, for one forward (every rank's)
+    try:
+        forward()
+    finally:
+        del experts.apply
+    return graph_ms(lambda: apply(*kept["args"], **kept["kwargs"]), collective=False)
+
+
+def _captures(kernel: ModularKernel) -> bool:
+    """Whether the kernel's forward can be timed as a CUDA-graph replay."""
+    return kernel.prepare_finalize.captures_in_cuda_graph and kernel.experts.capabilities.cuda_graph_safe
+
+
 def _measure(rank, world, preset, full, kernel, single, m, device) -> dict:
     inputs = rank_inputs(preset, full, m, world, device)
     hidden, topk = inputs[rank]
@@ -198,48 +233,74 @@ def _measure(rank, world, preset, full, kernel, single, m, device) -> dict:
     with PhaseTimer(kernel, device == "cuda") as timer:  # collective phases: every rank runs the same forwards
         phases = timer.medians(forward)
     dist.barrier()
+    cuda = device == "cuda"
+    ep_graph_ms = graph_ms(forward, collective=True) if cuda and _captures(kernel) else None
+    dist.barrier()
+    experts_graph_ms = _experts_graph_ms(kernel, forward) if cuda and kernel.experts.capabilities.cuda_graph_safe \
+        else None
+    dist.barrier()
     # one GPU, all experts, every rank's tokens
     all_hidden = torch.cat([h for h, _ in inputs])
     all_topk = TopK(torch.cat([t.ids for _, t in inputs]), torch.cat([t.weights for _, t in inputs]))
-    single_ms = median_ms(lambda: single.forward(all_hidden, all_topk, validate=False))
+    single_forward = lambda: single.forward(all_hidden, all_topk, validate=False)  # noqa: E731
+    single_ms = median_ms(single_forward)
+    single_graph_ms = graph_ms(single_forward, collective=False) if cuda and _captures(single) else None
     out = forward()
     truth = single.forward(all_hidden, all_topk, validate=False)[rank * m:(rank + 1) * m]
-    return {"tokens_per_rank": m, "rank": rank, "ep_ms": ep_ms, **phases, "single_gpu_ms": single_ms,
+    return {"tokens_per_rank": m, "rank": rank, "ep_ms": ep_ms, **phases, "ep_graph_ms": ep_graph_ms,
+            "experts_graph_ms": experts_graph_ms,
+            "single_gpu_ms": single_ms, "single_gpu_graph_ms": single_graph_ms,
             "relative_error": relative_error(out, truth)}
 
 
-TIMES = ("ep_ms", "dispatch_ms", "experts_ms", "combine_ms", "single_gpu_ms", "relative_error")
+TIMES = ("ep_ms", "dispatch_ms", "experts_ms", "combine_ms", "ep_graph_ms", "experts_graph_ms", "single_gpu_ms",
+         "single_gpu_graph_ms", "relative_error")
 
 
 def summarize(per_rank: list[list[dict]]) -> list[dict]:
-    """Slowest rank per (scheme, experts, prepare/finalize, M) and phase; largest error."""
+    """Slowest rank per (scheme, experts, prepare/finalize, M) and phase; largest error. A time no rank took
+    (no CUDA graph) stays None."""
     rows = []
     for records in zip(*per_rank):
         row = {k: v for k, v in records[0].items() if k != "rank"}
-        row.update({key: max(r[key] for r in records) for key in TIMES})
+        for key in TIMES:
+            values = [r.get(key) for r in records]
+            row[key] = None if None in values else max(values)
         rows.append(row)
     return rows
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def table(rows: list[dict], world: int) -> str:
     lines = [f"| scheme | experts | prepare/finalize | M per rank | EP{world} forward ms | dispatch ms | experts ms | "
-             f"combine ms | 1 GPU, {world}xM tokens ms | rel. error |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"combine ms | EP{world} graph ms | experts graph ms | 1 GPU, {world}xM tokens ms | 1 GPU graph ms | "
+             "rel. error |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['quant']} | {r['experts']} | {r['prepare_finalize']} | {r['tokens_per_rank']} | "
                      f"{r['ep_ms']:.3f} | {r['dispatch_ms']:.3f} | {r['experts_ms']:.3f} | {r['combine_ms']:.3f} | "
-                     f"{r['single_gpu_ms']:.3f} | {r['relative_error']:.1e} |")
+                     f"{_ms(r.get('ep_graph_ms'))} | {_ms(r.get('experts_graph_ms'))} | {r['single_gpu_ms']:.3f} | "
+                     f"{_ms(r.get('single_gpu_graph_ms'))} | "
+                     f"{r['relative_error']:.1e} |")
     return "\n".join(lines)
 
 
 def transport_entries(rows: list[dict], platform: Platform, note: str = "") -> list[ProfileEntry]:
     """Each transport's prepare + finalize time per (scheme, preset, ranks, M) as a PrepareFinalize
     measurement: forward minus experts, the smallest over the experts backends it ran with (the transport's
-    own cost; a slower experts backend's tail would only add its wait to it)."""
+    own cost; a slower experts backend's tail would only add its wait to it). The forward is the CUDA-graph
+    replay where the transport captures (as an engine runs decode), the eager call otherwise; the experts
+    are their apply alone as a graph replay where they capture (what the oracle's experts measurements
+    time), the eager phase otherwise."""
     best: dict[tuple, float] = {}
     for r in rows:
         key = (r["prepare_finalize"], r["quant"], r["preset"], tuple(sorted(r["shape"].items())), r["ep"],
                r["tokens_per_rank"])
-        us = 1000.0 * max(r["ep_ms"] - r["experts_ms"], 1e-3)
+        forward = r["ep_graph_ms"] if r.get("ep_graph_ms") is not None else r["ep_ms"]
+        experts = r["experts_graph_ms"] if r.get("experts_graph_ms") is not None else r["experts_ms"]
+        us = 1000.0 * max(forward - experts, 1e-3)
         best[key] = min(best.get(key, us), us)
     entries = []
     for (pf_name, quant, preset, shape, ep, m), us in best.items():

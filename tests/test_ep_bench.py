@@ -94,3 +94,29 @@ def test_the_phase_timer_brackets_each_phase_of_each_forward_and_restores_the_ke
     assert len(timer.marks) == 3 * 5 and all(end >= start for _, start, end in timer.marks)
     assert set(medians) == {"dispatch_ms", "experts_ms", "combine_ms"} and min(medians.values()) >= 0
     assert "prepare" not in vars(kernel.prepare_finalize) and "apply" not in vars(kernel.experts)  # restored
+
+
+def test_a_transport_s_measurement_is_its_cuda_graph_replay_where_it_captures():
+    """The profile's transport time is the graph replay minus the experts where the transport captures, the
+    eager forward minus the experts where it does not (all_to_all reads counts on the host); a rank without
+    a graph time leaves the slowest-rank row without one."""
+    from moe.platform import Platform
+
+    bench = _module("ep_all_to_all")
+    shape = {"num_experts": 16, "top_k": 4, "hidden_size": 256, "intermediate_size": 128, "activation": "silu"}
+    common = {"preset": "x", "shape": shape, "quant": "bf16", "ep": 2, "experts": "triton", "tokens_per_rank": 16,
+              "dispatch_ms": 0.1, "combine_ms": 0.1, "single_gpu_ms": 1.0, "single_gpu_graph_ms": 0.8,
+              "relative_error": 0.0}
+    per_rank = [[{**common, "rank": r, "prepare_finalize": pf, "ep_ms": 2.0 + r, "experts_ms": 1.0,
+                  "ep_graph_ms": graph, "experts_graph_ms": experts_graph}
+                 for pf, graph, experts_graph in (("flashinfer_a2a", 1.5 + r, 0.8), ("all_to_all", None, 0.7),
+                                                  ("no_graphs", None, None))]
+                for r in (0, 1)]
+    rows = bench.summarize(per_rank)
+    assert [(r["prepare_finalize"], r["ep_ms"], r["ep_graph_ms"], r["experts_graph_ms"]) for r in rows] == [
+        ("flashinfer_a2a", 3.0, 2.5, 0.8), ("all_to_all", 3.0, None, 0.7), ("no_graphs", 3.0, None, None)]
+    entries = {e.backend: e.measured_us for e in bench.transport_entries(rows, Platform.detect("cpu"))}
+    # graph forward - graph experts; eager forward - graph experts; eager forward - eager experts
+    assert entries == {"flashinfer_a2a": pytest.approx(1700.0), "all_to_all": pytest.approx(2300.0),
+                       "no_graphs": pytest.approx(2000.0)}
+    assert "| 2.500 | 0.800 |" in bench.table(rows, 2) and "| - | - |" in bench.table(rows, 2)

@@ -128,6 +128,8 @@ class StandInAlltoAll:
     one of its experts (contiguous placement), receive buffers are ``[ep, runtime_max, *]`` whose unfilled
     rows hold garbage (NaN here) except the sanitized expert ids; combine sums each token's rows."""
 
+    runtime_max_seen: list[int] = []  # each dispatch's runtime_max_tokens_per_rank, in this process
+
     def __init__(self, mapping, max_num_tokens, top_k, num_experts, workspace_size_per_rank, mnnvl_config):
         self.ep, self.rank, self.group = mapping.moe_ep_size, mapping.rank, mnnvl_config.comm_backend.group
         self.max_num_tokens, self.num_experts = max_num_tokens, num_experts
@@ -136,6 +138,7 @@ class StandInAlltoAll:
                  invalid_token_expert_id=None, expert_id_payload_index=None):
         assert token_selected_experts.shape[0] >= 1, "the dispatch kernel wants a token"
         assert runtime_max_tokens_per_rank <= self.max_num_tokens
+        StandInAlltoAll.runtime_max_seen.append(runtime_max_tokens_per_rank)
         owner = token_selected_experts.long() // (self.num_experts // self.ep)
         sends = torch.zeros(owner.shape[0], self.ep, dtype=torch.bool).scatter_(1, owner, True)
         self.sent = [sends[:, r].nonzero().squeeze(1) for r in range(self.ep)]
@@ -190,8 +193,37 @@ def _run_cases(rank: int, world: int) -> dict:
         # composed for the platform the stand-in plays: flashinfer_a2a refuses the CPU it runs on here
         out, truth = compare_on_rank(rank, world, problem, "flashinfer_a2a", experts, tokens, platform=H100, **options)
         results[name] = (tuple(out.shape), relative_error(out, truth),
-                         truth.float().abs().max().item() if truth.numel() else 0.0)
+                         truth.float().abs().max().item() if truth.numel() else 0.0,
+                         StandInAlltoAll.runtime_max_seen[-1])
+    results["_too_many"] = _too_many_tokens(rank, world)
     return results
+
+
+def _too_many_tokens(rank: int, world: int) -> list[dict]:
+    """Rank 0 has max_tokens + 4 tokens, the others 5; then every rank 3: each forward's outcome here."""
+    from moe import ModularKernel
+    from moe.experts.reference import ReferenceExperts
+    from moe.prepare_finalize.local import LocalPrepareFinalize
+    from moe.sharding import shard_weights
+    from moe.tools.ep_demo import random_layer, random_tokens
+
+    problem = dataclasses.replace(BF16, parallel=ParallelConfig(world, rank))
+    full = random_layer(BF16, 2)
+    single = ModularKernel(LocalPrepareFinalize(BF16), ReferenceExperts(BF16))
+    single.load(full)
+    kernel = ModularKernel(FlashInferAllToAllPrepareFinalize(problem), ReferenceExperts(problem), platform=H100)
+    kernel.load(shard_weights(full, problem))
+    runs = []
+    for tokens in ((BF16.max_tokens + 4 if rank == 0 else 5), 3):
+        hidden, topk = random_tokens(BF16, tokens, 10 * rank + tokens)
+        try:
+            out = kernel.forward(hidden, topk)
+        except MoEConfigError as error:
+            runs.append({"error": str(error)})
+            continue
+        runs.append({"shape": tuple(out.shape), "relative": relative_error(out, single.forward(hidden, topk)),
+                     "runtime_max": StandInAlltoAll.runtime_max_seen[-1]})
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -199,12 +231,27 @@ def stand_in_group():
     return launch_ranks(_run_cases, 2, timeout_s=90)
 
 
+def test_too_many_tokens_on_one_rank_raise_on_every_rank_and_the_next_batch_runs(stand_in_group):
+    """The kernel exchanges no counts; the ranks all-reduce their M on the host before dispatch, so rank 0's
+    M > max_tokens raises the same error on both ranks (no rank waits, none returns a partial result)."""
+    errors = []
+    for results in stand_in_group:
+        over, after = results["_too_many"]
+        assert f"rank 0 has M={BF16.max_tokens + 4} tokens but max_tokens_per_rank=16" in over.get("error", ""), over
+        errors.append(over["error"])
+        assert after["shape"] == (3, BF16.hidden_size) and after["relative"] <= TOLERANCES[regime_for(BF16)]
+        # the receive buffers hold the largest M of any rank (agreed on the host), not max_tokens_per_rank=16
+        assert after["runtime_max"] == 3
+    assert errors[0] == errors[1]
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_glue_matches_local_reference(stand_in_group, name):
     problem, _, tokens, _ = CASES[name]
     for rank, results in enumerate(stand_in_group):
-        shape, relative, truth_max = results[name]
+        shape, relative, truth_max, runtime_max = results[name]
         assert shape == (tokens[rank], problem.hidden_size)
+        assert runtime_max == max(1, *tokens)  # an idle rank's dummy token needs a row
         assert truth_max > 0 or tokens[rank] == 0
         # partial sums travel in the layer's dtype, as FlashInfer's combine takes them
         assert relative <= TOLERANCES[regime_for(problem)], f"rank {rank}: {relative:.2e}"

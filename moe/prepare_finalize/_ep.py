@@ -170,6 +170,11 @@ class EPCapacity:
 
 
 # --- wire format ---------------------------------------------------------------------------------
+def capturing_cuda_graph() -> bool:
+    """True while this thread's CUDA stream is being captured: no value may be read on the host."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def quantizes_before_sending(fmt: QuantFormat, hidden_size: int, dtype: torch.dtype) -> bool:
     """True when activations in ``fmt`` can be quantized on the sending rank.
 

@@ -40,7 +40,13 @@ import torch.distributed as dist
 
 from moe.errors import MoEConfigError
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
-from moe.prepare_finalize._ep import EPCapacity, ExpertParallelPrepareFinalize, RowCodec, arrived_activations
+from moe.prepare_finalize._ep import (
+    EPCapacity,
+    ExpertParallelPrepareFinalize,
+    RowCodec,
+    arrived_activations,
+    capturing_cuda_graph,
+)
 from moe.prepare_finalize.base import add_shared, batch_slots
 from moe.prepare_finalize.combine import sum_over_k
 from moe.problem import MoEProblem
@@ -148,6 +154,7 @@ class BatchedAllToAllPrepareFinalize(ExpertParallelPrepareFinalize[BatchedRoute]
     name = "all_to_all_batched"
     format = ActivationFormat.BATCHED  # refines the expert-parallel transport
     agrees_on_tokens = True  # one all_reduce of every rank's M and per-expert loads (`_agree_capacity`)
+    captures_in_cuda_graph = True  # with T = ep_size x max_tokens_per_rank (`_check_static`)
 
     def __init__(self, problem: MoEProblem, *, max_tokens_per_rank: int | None = None,
                  max_tokens_per_expert: int | None = None, max_prefill_tokens: int | None = None):
@@ -228,7 +235,7 @@ class BatchedAllToAllPrepareFinalize(ExpertParallelPrepareFinalize[BatchedRoute]
     def _agree_capacity(self, topk: TopK) -> None:
         """One all_reduce of (tokens per expert, M per rank); every rank raises the same error."""
         p, capacity = self.problem, self.capacity
-        if _capturing_cuda_graph():
+        if capturing_cuda_graph():
             return self._check_static(topk.num_tokens)
         ids = topk.ids.flatten().long()
         loads = torch.bincount(ids, minlength=p.num_experts)
@@ -329,7 +336,3 @@ def _per_expert(scale: torch.Tensor | None, num_local: int) -> torch.Tensor | No
     if scale is None or scale.dim() == 0:
         return scale
     return scale.view(num_local, -1, scale.shape[-1])
-
-
-def _capturing_cuda_graph() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

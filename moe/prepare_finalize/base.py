@@ -91,6 +91,8 @@ class PrepareFinalize(ABC, Generic[R]):
     # raising alone would leave the others waiting in that collective). False under expert parallelism: the
     # kernel runs this rank's part of the forward with no tokens, then raises on this rank alone
     agrees_on_tokens: ClassVar[bool] = False
+    # prepare and finalize can be captured in a CUDA graph: fixed shapes, no count read on the host
+    captures_in_cuda_graph: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)

@@ -3,7 +3,7 @@
 ``flashinfer.comm.MoeAlltoAll`` (TensorRT-LLM's throughput all-to-all) maps every rank's workspace into
 every other rank's address space -- cuMem allocations whose handles (POSIX file descriptors within a
 host) are exchanged through torch.distributed (`TorchDistBackend`) -- and moves tokens with one-sided
-NVLink writes: no NCCL on the hot path, fixed ``[ep_size, max_tokens_per_rank]`` receive buffers.
+NVLink writes: no NCCL on the hot path, receive buffers of ``[ep_size, max_tokens_per_rank]`` rows.
 It creates no NVLink multicast object (FlashInfer's all-reduce and mixed-comm modules do; nothing
 here calls them); keep ``NCCL_NVLS_ENABLE=0``. flashinfer is imported only when an instance is built.
 
@@ -17,13 +17,18 @@ How this package's contracts meet the kernel's:
 - An idle rank (M = 0) dispatches one dummy token routed to its own first expert, so it travels
   nowhere (the dispatch kernel wants a token, as SGLang found), with zero activations and weights and
   payload ids ``skip_id`` so no expert computes it; finalize returns ``[0, H]``.
-- ``runtime_max_tokens_per_rank`` is ``max_tokens_per_rank`` on every call: all ranks must pass the
-  same value, and a fixed one needs no extra collective (at the price of experts seeing padded rows).
 - Per-slot outputs are weighted and summed over this rank's slots here; the partial sums travel
   home in the layer's dtype and FlashInfer's combine adds them.
-- No counts are exchanged, so a rank cannot learn another's M (``agrees_on_tokens`` is False): a rank
-  with M > max_tokens runs its part of the forward with no tokens, so the others finish theirs, and
-  raises alone (`moe.kernel.ModularKernel.forward`); the NCCL transports raise on every rank instead.
+- The kernel exchanges no counts, so before dispatch the ranks all-reduce their M on the host, over a
+  gloo group built with the transport (`_agree_on_tokens`; it reads no GPU value). Two things follow.
+  A rank with M > max_tokens_per_rank makes every rank raise the same error before any data moves
+  (``agrees_on_tokens``), as the NCCL transports do. And ``runtime_max_tokens_per_rank``, which all
+  ranks must pass alike, is the largest M of any rank (at least 1), not the capacity: the experts see
+  ``ep_size x that`` rows, not ``ep_size x max_tokens_per_rank`` mostly padded ones (measured on 2 H200,
+  DeepSeek-V3 at M = 1: see benchmarks/results/ep2_nvidia-h200-x2.md).
+- In a CUDA graph capture the host all-reduce runs once, at capture, and the graph keeps its M: every
+  rank must capture, and replay, the same forwards together, as engines capture their graphs (and as
+  any collective in a graph requires). Nothing on the host runs at replay (``captures_in_cuda_graph``).
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class FlashInferRoute:
     """What finalize needs of a dispatch: the kernel keeps its own record of where rows went."""
 
     num_tokens: int  # M, this rank's tokens: the rows combine returns that are real (an idle rank sent one dummy)
+    runtime_max: int  # rows per source rank in the receive buffers: the largest M of any rank, at least 1
 
 
 @register_prepare_finalize
@@ -85,6 +91,8 @@ class FlashInferAllToAllPrepareFinalize(ExpertParallelPrepareFinalize[FlashInfer
     transport = Transport(ActivationFormat.STANDARD, QUANTIZABLE, ranks=frozenset({Ranks.EXPERT_PARALLEL}),
                           devices=frozenset({"cuda"}), runs_on="CUDA GPUs of one host joined by NVLink",
                           libraries=("flashinfer",), max_ranks=MAX_RANKS, max_top_k=MAX_TOP_K, expert_map=False)
+    agrees_on_tokens = True  # every rank's M, all-reduced on the host before dispatch (`_agree_on_tokens`)
+    captures_in_cuda_graph = True  # M agreed at capture; the kernel's completion flags live on the GPU
 
     def __init__(self, problem: MoEProblem, *, max_prefill_tokens: int | None = None):
         capacity = EPCapacity(problem.parallel.ep_size, problem.max_tokens, None, max_prefill_tokens)
@@ -94,6 +102,7 @@ class FlashInferAllToAllPrepareFinalize(ExpertParallelPrepareFinalize[FlashInfer
         super().__init__(problem, capacity)
         comm = _flashinfer_comm()
         _require_one_host(self.group)
+        self._host_group = _host_group(self.group)
         self._first_local = self.placement.to_local.index(0)  # the global id of this rank's local expert 0
         self._a2a = self._build(comm)
 
@@ -115,18 +124,19 @@ class FlashInferAllToAllPrepareFinalize(ExpertParallelPrepareFinalize[FlashInfer
     def prepare(self, hidden: torch.Tensor, topk: TopK, quantize_to: QuantFormat,
                 workspace: Workspace) -> tuple[Dispatched, FlashInferRoute]:
         wire, _ = self._wire(quantize_to)
+        runtime_max = self._agree_on_tokens(hidden.shape[0])
         payloads, route = token_payloads(hidden, topk, wire), topk.ids
         if hidden.shape[0] == 0:
             payloads, route = self._dummy_token(payloads)
         names = payload_order(payloads)
-        received = self._a2a.dispatch(route, [payloads[n] for n in names], self.max_tokens_per_rank,
+        received = self._a2a.dispatch(route, [payloads[n] for n in names], runtime_max,
                                       invalid_token_expert_id=self.placement.skip_id,
                                       expert_id_payload_index=names.index("ids"))
         fields = {n: r.reshape(-1, r.shape[-1]) for n, r in zip(names, received)}
         here = self._to_local[fields["ids"].long()] >= 0
         x = arrived_activations(fields, wire, quantize_to, valid=here.any(1, keepdim=True))
         return Dispatched(ActivationFormat.STANDARD, x, TopK(fields["ids"], fields["weights"])), FlashInferRoute(
-            hidden.shape[0])
+            hidden.shape[0], runtime_max)
 
     def finalize(
         self, output: ExpertsOutput, dispatched: Dispatched, route: FlashInferRoute, topk: TopK,
@@ -138,9 +148,21 @@ class FlashInferAllToAllPrepareFinalize(ExpertParallelPrepareFinalize[FlashInfer
         else:  # this rank's slots of each row, weighted and summed here; other ranks' slots may be garbage
             here = self._to_local[dispatched.topk.ids.long()] >= 0
             partial = sum_over_k(output.out[:rows], dispatched.topk.weights, output.kind, valid=here)
-        payload = partial.to(p.dtype).view(p.parallel.ep_size, self.max_tokens_per_rank, p.hidden_size)
-        combined = self._a2a.combine(payload, self.max_tokens_per_rank)
+        payload = partial.to(p.dtype).view(p.parallel.ep_size, route.runtime_max, p.hidden_size)
+        combined = self._a2a.combine(payload, route.runtime_max)
         return add_shared(combined[: route.num_tokens].clone(), shared_output)
+
+    def _agree_on_tokens(self, num_tokens: int) -> int:
+        """Every rank learns every rank's M (a host all-reduce of CPU integers, also while a CUDA graph is
+        captured) and all raise the same error when one has more than ``max_tokens_per_rank``; returns the
+        largest M, at least 1 (an idle rank sends one dummy token): the call's ``runtime_max_tokens_per_rank``."""
+        counts = torch.zeros(self.problem.parallel.ep_size, dtype=torch.int64)
+        counts[self.problem.parallel.ep_rank] = num_tokens
+        dist.all_reduce(counts, group=self._host_group)
+        tokens = counts.tolist()
+        self._raise_on_overflow(self.capacity.overflow([], tokens, self.placement.owner),
+                                "Build the layer with a larger max_tokens or split the batch")
+        return max(1, *tokens)
 
     def _dummy_token(self, payloads: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         dummy = {name: t.new_zeros(1, t.shape[-1]) for name, t in payloads.items()}
@@ -161,6 +183,14 @@ def _flashinfer_comm() -> SimpleNamespace:
         ) from error
     return SimpleNamespace(MoeAlltoAll=MoeAlltoAll, moe_a2a_get_workspace_size_per_rank=moe_a2a_get_workspace_size_per_rank,
                            Mapping=Mapping, MnnvlConfig=MnnvlConfig, TorchDistBackend=TorchDistBackend)
+
+
+def _host_group(group):
+    """A gloo group of ``group``'s ranks, for the M each rank sends (``group`` itself where it is gloo).
+    Building one is collective: every rank of ``group`` builds the transport together."""
+    if dist.get_backend(group) == dist.Backend.GLOO:
+        return group
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
 
 
 def _require_one_host(group) -> None:

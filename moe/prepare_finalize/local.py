@@ -18,6 +18,7 @@ class LocalPrepareFinalize(PrepareFinalize[None]):
     name = "local"
     transport = Transport(ActivationFormat.STANDARD, QUANTIZABLE, ranks=frozenset({Ranks.ONE}))
     returns_owned_output = True
+    captures_in_cuda_graph = True
 
     def dispatch_shape(self, num_tokens: int) -> DispatchShape:
         return DispatchShape(ActivationFormat.STANDARD, num_tokens)

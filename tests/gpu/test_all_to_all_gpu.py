@@ -153,6 +153,7 @@ def test_flashinfer_two_gpus_match_one(flashinfer_group, name):
 
 def test_too_many_tokens_on_one_rank_hang_no_rank(nccl_group):
     """all_to_all: every rank raises the same error, then both run the next batch."""
+    assert nccl_group[0]["_too_many"][0] == nccl_group[1]["_too_many"][0]
     for rank, results in enumerate(nccl_group):
         over, after = results["_too_many"]
         assert "rank 0 has M=68 tokens but max_tokens_per_rank=64" in over.get("error", ""), over
@@ -160,11 +161,11 @@ def test_too_many_tokens_on_one_rank_hang_no_rank(nccl_group):
 
 
 def test_flashinfer_too_many_tokens_on_one_rank_hang_no_rank(flashinfer_group):
-    """flashinfer_a2a exchanges no counts: rank 0 takes part with no tokens and raises alone; rank 1 completes."""
+    """flashinfer_a2a: the ranks all-reduce their M on the host before dispatch; both raise the same error."""
     over0, after0 = flashinfer_group[0]["_too_many"]
     over1, after1 = flashinfer_group[1]["_too_many"]
-    assert "took part in the forward with no tokens" in over0.get("error", ""), over0
-    assert over1 == {"shape": (5, PROBLEM.hidden_size)}
+    assert "rank 0 has M=68 tokens but max_tokens_per_rank=64" in over0.get("error", ""), over0
+    assert over0 == over1
     assert after0 == after1 == {"shape": (3, PROBLEM.hidden_size)}
 
 
