@@ -46,7 +46,13 @@ MACHINES = {
         "mxfp4_gpt-oss-120b_nvidia-h200.json": ("records", None),
         "bf16_qwen3_mixtral_nvidia-h200.json": ("records", None),
         "bf16_gpt-oss_deepseek_nvidia-h200.json": ("records", None),
-    }, "measured on nvidia-h200 (2026-11-22) by python -m moe bench / benchmarks/flashinfer_bench.py"),
+        # session 11, nvidia-h200-x2: the transports at EP2 (prepare + finalize; CUDA-graph replay where they capture)
+        "ep2_deepseek-v3_bf16_triton_flashinfer_cutlass_nvidia-h200-x2.json": ("records", None),
+        "ep2_deepseek-v3_fp8_block_triton_nvidia-h200-x2.json": ("records", None),
+        "ep2_qwen3-30b-a3b_bf16_triton_flashinfer_cutlass_nvidia-h200-x2.json": ("records", None),
+        "ep2_deepseek-v3_bf16_triton_batched_nvidia-h200-x2.json": ("records", None),
+    }, "measured on nvidia-h200 (2026-11-22; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
+       "benchmarks/flashinfer_bench.py / benchmarks/ep_all_to_all.py"),
     "nvidia-h100": Machine("h100", {
         "bf16_qwen3_mixtral_nvidia-h100.json": ("records", None),
         "bf16_gpt-oss_deepseek_nvidia-h100.json": ("records", None),
