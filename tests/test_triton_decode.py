@@ -99,12 +99,14 @@ def test_decode_tile_rejects_bad_values():
         DecodeTile(block_m=4, dot=True)
 
 
+@pytest.mark.parametrize("quant", ["nvfp4", "mxfp8"])
 @pytest.mark.parametrize("num_tokens,tiles", [(1, (FMA, FMA)), (3, (DOT, DOT_SPLIT)), (5, (DOT_SPLIT, FMA))],
                          ids=["fma-1", "dot-3", "dot-split-5"])
-def test_nvfp4_decode_matches_the_weight_only_reference(num_tokens, tiles, monkeypatch):
-    """NVFP4 weights (e4m3 scale per 16, fp32 global scale per expert) with fp16 activations: the decode
-    kernels against the weight-only reference (activations never rounded to fp4), experts of very different
-    global scales so a missing or misplaced global scale shows."""
+def test_weight_only_decode_matches_the_weight_only_reference(quant, num_tokens, tiles, monkeypatch):
+    """NVFP4 weights (e4m3 scale per 16, fp32 global scale per expert) and MXFP8 weights (e4m3 elements,
+    e8m0 scale per 32) with fp16 activations: the decode kernels against the weight-only reference
+    (activations never rounded), experts of very different magnitudes so a missing or misplaced scale
+    shows."""
     from moe.experts.reference import WeightOnlyReferenceExperts
     from moe.weights import ExpertWeights
 
@@ -113,7 +115,7 @@ def test_nvfp4_decode_matches_the_weight_only_reference(num_tokens, tiles, monke
     called = []
     real = decode.decode_experts
     monkeypatch.setattr("moe.experts.triton.decode_experts", lambda *a: called.append(1) or real(*a))
-    p = make_problem("nvfp4", "silu", E=8, k=4, H=64, I=96)
+    p = make_problem(quant, "silu", E=8, k=4, H=64, I=96)
     spread = torch.logspace(-2, 2, p.num_experts).view(-1, 1, 1)
     w13 = torch.randn(p.num_experts, p.w13_rows, p.hidden_size) / p.hidden_size**0.5 * spread
     w2 = torch.randn(p.num_experts, p.hidden_size, p.intermediate_size) / p.intermediate_size**0.5 / spread
@@ -126,4 +128,4 @@ def test_nvfp4_decode_matches_the_weight_only_reference(num_tokens, tiles, monke
     truth = WeightOnlyReferenceExperts(p)
     want = run_experts(truth, dispatched, weights).out
     want = (want * topk.weights.unsqueeze(-1)).sum(1)
-    assert_close_moe(out.float(), want.float(), regime_for(p), context=f"nvfp4 decode M={num_tokens}")
+    assert_close_moe(out.float(), want.float(), regime_for(p), context=f"{quant} decode M={num_tokens}")

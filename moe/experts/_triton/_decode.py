@@ -1,4 +1,4 @@
-"""Triton code of the MXFP4 / NVFP4 W4A16 and fp8 (128-block, per-token) W8A8 decode GEMMs (see decode.py for the
+"""Triton code of the MXFP4 / NVFP4 W4A16, MXFP8 weight-only and fp8 (128-block, per-token) W8A8 decode GEMMs (see decode.py for the
 contract and the launch; the fp8 K loop is in _decode_fp8.py).
 
 One program owns (expert group, N tile, K split): it streams that expert's ``[BLOCK_N, K / SPLITS]``
@@ -13,15 +13,15 @@ padding; program g takes the g-th expert that has any slot (an in-register scan 
 the grid (``min(slots, E)`` groups) depends on M only. Without grouping, program g takes slot g
 (one token: its k experts are distinct, and the alignment launch is saved).
 
-The weight format lives in `_weight_half_tiles` and its scale decoders: NVFP4 plugs in there.
+The weight format lives in `_weight_half_tiles` and its scale decoders: NVFP4 and MXFP8 plug in there.
 """
 
 import triton
 import triton.language as tl
 
 from moe.experts._triton._decode_fp8 import GROUP, fp8_k_loop
-from moe.experts._triton._gemm import (_FP8_BLOCK, _FP8_ROW, _NVFP4, _activate, _dot, _e4m3_scaled, _fp4_half_tiles,
-                                       _fp4_load, _fp4_scale_words)
+from moe.experts._triton._gemm import (_FP8_BLOCK, _FP8_ROW, _MXFP8, _NVFP4, _activate, _dot, _e4m3_scaled,
+                                       _fp4_half_tiles, _fp4_load, _fp4_scale_words, _mxfp8_tile)
 from moe.experts._triton._lang import cdiv_, cumsum_, sum_
 
 # e2m1 codes of 4 bytes -> 8 bfloat16 values times the scale, 2 per register. The code's magnitude
@@ -109,13 +109,17 @@ def _e2m1_bf16x2(packed, words, shifts, SCALES: tl.constexpr):
 @triton.jit
 def _weight_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, SCALES: tl.constexpr, dtype: tl.constexpr,
                        EVEN_K: tl.constexpr, ASM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One K step of fp4 weights dequantized: the ``[BLOCK_K/2, BLOCK_N]`` half-tiles of the low
-    and high nibbles (weights.py's half-split layout; pointers as in `_gemm._fp4_half_tiles`).
-    ``SCALES``: MXFP4 or NVFP4 (`_gemm`'s codes). ``ASM``: packed bf16x2 PTX (4 bytes per call, bfloat16
-    only; MXFP4 with scales <= 2; NVFP4 any scale, its values times 2**-8 = 1 / NVFP4_ASM_UNBIAS, which
-    the kernel's global-scale multiply undoes); else `_gemm`'s exact float32 math. Both give the same
+    """One K step of weights dequantized: the ``[BLOCK_K/2, BLOCK_N]`` half-tiles of elements j and j + 16
+    of each group of 32 -- fp4: the low and high nibbles (weights.py's half-split layout; pointers as in
+    `_gemm._fp4_half_tiles`); MXFP8: the group's first and second 16 bytes (``w_ptrs`` at the first).
+    ``SCALES``: MXFP4, NVFP4 or MXFP8 (`_gemm`'s codes). ``ASM`` (fp4): packed bf16x2 PTX (4 bytes per call,
+    bfloat16 only; MXFP4 with scales <= 2; NVFP4 any scale, its values times 2**-8 = 1 / NVFP4_ASM_UNBIAS,
+    which the kernel's global-scale multiply undoes); else `_gemm`'s exact float32 math. Both give the same
     bf16 weights up to that power of two."""
-    if not ASM:
+    if SCALES == _MXFP8:  # e4m3 bits, MXFP4's scale words: `_gemm._mxfp8_tile` on each half
+        low = _mxfp8_tile(w_ptrs, s_ptrs, shifts, group_ok, dtype, EVEN_K, BLOCK_K // 2, BLOCK_N)
+        high = _mxfp8_tile(w_ptrs + 16, s_ptrs, shifts, group_ok, dtype, EVEN_K, BLOCK_K // 2, BLOCK_N)
+    elif not ASM:
         low, high = _fp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, SCALES, dtype, EVEN_K, BLOCK_K, BLOCK_N)
     else:
         packed, words = _fp4_load(w_ptrs, s_ptrs, group_ok, EVEN_K)
@@ -164,10 +168,16 @@ def _k_loop(acc, acc_up, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wn, ws
             GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
             ASM: tl.constexpr, SCALES: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """K steps ``k_first .. k_last - 1`` of one row chunk; the half-tiles' A columns are runs of 16.
-    Group g's scale is byte g of the scale words (MXFP4), or bytes 2g and 2g + 1 (NVFP4: one per 16)."""
+    Group g's scale is byte g of the scale words (MXFP4, MXFP8), or bytes 2g and 2g + 1 (NVFP4: one per 16).
+    A row's bytes per group: 16 packed fp4, or 32 MXFP8 (one per element, the canonical order)."""
+    if SCALES == _MXFP8:
+        group_bytes = 32
+    else:
+        group_bytes = 16
     g3 = tl.arange(0, BLOCK_K // 32)[:, None, None]
     n3 = offs_n[None, None, :]
-    w_ptrs = w_base + n3 * stride_wn + (k_first * (BLOCK_K // 2) + g3 * 16 + tl.arange(0, 16)[None, :, None])
+    step_bytes = (BLOCK_K // 32) * group_bytes
+    w_ptrs = w_base + n3 * stride_wn + (k_first * step_bytes + g3 * group_bytes + tl.arange(0, 16)[None, :, None])
     s_base = ws_base + n3 * stride_wsn
     for kk in range(k_first, k_last):
         group = kk * (BLOCK_K // 32) + g3
@@ -183,7 +193,7 @@ def _k_loop(acc, acc_up, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wn, ws
             w_lo, w_hi = _weight_half_tiles(w_ptrs + N * stride_wn, s_ptrs + N * stride_wsn, shifts,
                                             g3 < groups_left, SCALES, a_lo.dtype, EVEN_K, ASM, BLOCK_K, BLOCK_N)
             acc_up = _accumulate(acc_up, a_lo, a_hi, w_lo, w_hi, DOT, IEEE)
-        w_ptrs += BLOCK_K // 2
+        w_ptrs += step_bytes
     return acc, acc_up
 
 

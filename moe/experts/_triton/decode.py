@@ -1,5 +1,5 @@
-"""Decode GEMMs built for the weight stream: MXFP4 / NVFP4 W4A16 and fp8 W8A8, 128-block and per-token (the
-kernels are in _decode.py; the fp8 K loop in _decode_fp8.py).
+"""Decode GEMMs built for the weight stream: MXFP4 / NVFP4 W4A16, MXFP8 weight-only and fp8 W8A8, 128-block and
+per-token (the kernels are in _decode.py; the fp8 K loop in _decode_fp8.py).
 
 At decode every expert's weights are read once per forward and the activations are a few rows, so
 the time is the bytes of the experts hit over the memory bandwidth. `decode_experts` keeps all SMs
@@ -37,7 +37,7 @@ from moe.quant import QuantFormat
 from moe.quant.fp8 import FP8_GROUP_SIZE  # one K step of the fp8 decode loop
 
 DECODE_MAX_SLOTS = 256  # M * k up to this takes the decode path (`decodes`)
-DECODE_FORMATS = (QuantFormat.MXFP4, QuantFormat.NVFP4)  # weight-only: 16-bit activations
+DECODE_FORMATS = (QuantFormat.MXFP4, QuantFormat.NVFP4, QuantFormat.MXFP8)  # weight-only: 16-bit activations
 FP8_DECODE_FORMATS = (QuantFormat.FP8_BLOCK, QuantFormat.FP8_ROW)  # W8A8 (fp8_block, fp8_token)
 MAX_SPLITS = 8  # the partial-sum workspace holds this many K splits
 _EPILOGUE_BLOCK = 1024
@@ -99,7 +99,7 @@ def _bucket(configs: dict, num_tokens: int) -> DecodeConfig:
 
 
 def decode_config(num_tokens: int) -> DecodeConfig:
-    """MXFP4 / NVFP4 weights' config for ``num_tokens``."""
+    """MXFP4 / NVFP4 / MXFP8 weights' config for ``num_tokens`` (tuned for MXFP4; MXFP8's untuned)."""
     return _bucket(DECODE_CONFIGS, num_tokens)
 
 
@@ -110,8 +110,8 @@ def fp8_decode_config(num_tokens: int) -> DecodeConfig:
 
 def decodes(weight_fmt: QuantFormat, activation_fmt: QuantFormat) -> bool:
     """Whether the decode kernels serve GEMMs of ``weight_fmt`` weights reading ``activation_fmt``
-    activations: MXFP4 / NVFP4 with unquantized ones (NONE also where the weights run weight-only, as
-    NVFP4 always does here), and fp8_block / fp8_token W8A8 (not their weight-only mode: GPUs without
+    activations: MXFP4 / NVFP4 / MXFP8 with unquantized ones (NONE also where the weights run weight-only,
+    as NVFP4 and MXFP8 always do here), and fp8_block / fp8_token W8A8 (not their weight-only mode: GPUs without
     fp8 tensor cores keep the grouped GEMM). Per-tensor fp8 keeps it too: its activation scale is the
     abs-max over every row (for gemm2 every slot's intermediate), which each program would re-read or
     a separate launch would reduce first, as the grouped path's does."""
@@ -208,7 +208,7 @@ def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
                    activation: Activation, num_local: int, config: DecodeConfig, workspace,
                    out: torch.Tensor) -> torch.Tensor:
     """``out [M, H] = sum_j topk_weights[m, j] * experts_j(x[m])`` over the slots whose expert is
-    here, for MXFP4, NVFP4, fp8_block or fp8_token ``weights`` and unquantized ``x [M, H]`` in
+    here, for MXFP4, NVFP4, MXFP8, fp8_block or fp8_token ``weights`` and unquantized ``x [M, H]`` in
     bf16/fp16/fp32 (`uses_decode` must hold; fp8 quantizes x and the intermediate inside the GEMMs)."""
     _decode = kernels("decode")
     tokens, top_k = topk_ids.shape
