@@ -1,5 +1,5 @@
-"""Triton code of the MXFP4 / NVFP4 W4A16, MXFP8 weight-only and fp8 (128-block, per-token) W8A8 decode GEMMs (see decode.py for the
-contract and the launch; the fp8 K loop is in _decode_fp8.py).
+"""Triton code of the MXFP4 / NVFP4 W4A16, MXFP8 weight-only and fp8 (128-block, per-token) W8A8 decode GEMMs
+(see decode.py for the contract and the launch; the fp8 K loop is in _decode_fp8.py).
 
 One program owns (expert group, N tile, K split): it streams that expert's ``[BLOCK_N, K / SPLITS]``
 weight slice once and applies it to every slot routed to the expert (all of them, BLOCK_M rows at
