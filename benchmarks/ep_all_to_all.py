@@ -15,8 +15,9 @@ experts capture in a CUDA graph (``flashinfer_a2a``, ``all_to_all_batched``; not
 its counts on the host) the whole forward is also timed as a graph replay, as are the experts' apply alone and
 the one-GPU layer.
 
-``--save-profile`` writes each transport's prepare + finalize time (forward minus experts; the smallest
-over the experts backends it ran with) as PrepareFinalize measurements at ``ep_size`` ranks
+``--save-profile`` writes each transport's prepare + finalize time (forward minus experts, graph replays
+where they capture; the smallest over the experts backends it ran with, `transport_entries`) as PrepareFinalize
+measurements at ``ep_size`` ranks
 (`moe.oracle.profile`), which ``benchmarks/make_measured_profile.py`` also reads from a committed
 ``--json`` file: the oracle's ``plan --ep N`` then ranks the transports per bucket by these times.
 

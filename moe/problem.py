@@ -16,7 +16,7 @@ import torch
 
 from moe.activation import Activation
 from moe.errors import MoEConfigError
-from moe.quant.scheme import UNQUANTIZED, QuantScheme
+from moe.quant.scheme import UNQUANTIZED, QuantFormat, QuantScheme
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -257,6 +257,15 @@ class MoEProblem:
         if self.quant.is_quantized:
             return self.quant.name
         return next(name for name, dt in DTYPES.items() if dt == self.dtype)
+
+    def scheme_run_as(self, activation: QuantFormat | None) -> str:
+        """The scheme whose kernels run this problem when its GEMMs read activations in ``activation`` (a
+        `QuantFormat`, or None for the scheme's own): a weight-only mode (NONE) runs the scheme of the same
+        weights and unquantized activations where that is one (W4A8 mxfp4 -> W4A16 mxfp4:
+        `QuantScheme.with_unquantized_activations`), so it shares that scheme's launch tables and
+        measurements; else `quant_name`."""
+        same_kernels = self.quant.with_unquantized_activations()
+        return same_kernels.name if same_kernels and activation is QuantFormat.NONE else self.quant_name
 
     @property
     def sizes(self) -> str:

@@ -170,12 +170,10 @@ def test_plan_picks_the_measured_faster_transport_per_bucket(tmp_path):
 def test_a_weight_only_mode_reads_the_measurements_of_the_kernels_it_runs():
     """W4A8 mxfp4 run weight-only (Triton below SM100) is the W4A16 kernels: it is estimated from their
     measurements (measured-h200.yaml), not from a generic guess."""
-    from moe.oracle.cost import measured_as
-
     h200 = Platform.preset("h200")
     w4a8, w4a16 = (load_preset("gpt-oss-120b").problem(quant=q, max_tokens=64) for q in ("mxfp4_a_mxfp8", "mxfp4"))
-    assert measured_as(w4a8, QuantFormat.NONE) == "mxfp4" and measured_as(w4a8, None) == "mxfp4_a_mxfp8"
-    assert measured_as(MoEProblem.create(**SMALL, quant="nvfp4"), QuantFormat.NONE) == "nvfp4"  # no (nvfp4, none)
+    assert w4a8.scheme_run_as(QuantFormat.NONE) == "mxfp4" and w4a8.scheme_run_as(None) == "mxfp4_a_mxfp8"
+    assert MoEProblem.create(**SMALL, quant="nvfp4").scheme_run_as(QuantFormat.NONE) == "nvfp4"  # no (nvfp4, none)
     for m in (1, 16, 64):
         weight_only = estimate_experts("triton", w4a8, h200, m, builtin_profile(), experts_classes(), QuantFormat.NONE)
         same = estimate_experts("triton", w4a16, h200, m, builtin_profile(), experts_classes(), QuantFormat.NONE)

@@ -29,7 +29,7 @@ activations (W4A16, bf16), the dtype. A weight-only mode (`Mode.weight_only`: e.
 on an A100) reads the activations unquantized whatever the scheme says: the caller passes
 ``activation=QuantFormat.NONE``, so its weights count at their quantized width and its input bytes and
 FLOPs at the dtype's; where its kernels are another scheme's (W4A8 mxfp4 run as W4A16), it reads that
-scheme's measurements (`measured_as`). The prepare/finalize half costs its profile's overhead plus the
+scheme's measurements (`MoEProblem.scheme_run_as`). The prepare/finalize half costs its profile's overhead plus the
 bytes it moves: the batched format scatters and gathers every slot through memory, a prepare that
 quantizes activations reads and writes them once, and under expert parallelism each token crosses
 the interconnect once per remote rank owning any of its experts, and its result comes back.
@@ -196,19 +196,10 @@ def efficiency_at(points: tuple[ProfileEntry, ...], platform: Platform, tokens: 
     return values[-1][1], values[-1][2]
 
 
-def measured_as(problem: MoEProblem, activation: QuantFormat | None) -> str:
-    """The scheme whose measurements stand for ``problem``'s when its kernel reads activations in
-    ``activation``: a weight-only mode (NONE) computes what the scheme of the same weights and unquantized
-    activations computes, where that is a scheme (W4A8 mxfp4 run weight-only is W4A16 mxfp4, the same
-    kernels: `QuantScheme.with_unquantized_activations`); else the problem's own."""
-    same_kernels = problem.quant.with_unquantized_activations()
-    return same_kernels.name if activation is QuantFormat.NONE and same_kernels else problem.quant_name
-
-
 def _estimate(name: str, roofline_us: RooflineUs, problem: MoEProblem, platform: Platform, tokens: int,
               profile: Profile, peers: Iterable[str] = (), parallel: bool = False, scheme: str | None = None) -> Estimate:
     """``parallel``: a PrepareFinalize, whose measurements are matched at the problem's ``ep_size``;
-    ``scheme``: whose measurements to read (default the problem's; `measured_as`)."""
+    ``scheme``: whose measurements to read (default the problem's; `MoEProblem.scheme_run_as`)."""
     shape = ProfileShape.of(problem, parallel=parallel)
     points, basis = profile.points(name, platform, scheme or problem.quant_name, shape, peers)
     efficiency, overhead = efficiency_at(points, platform, tokens, roofline_us)
@@ -223,7 +214,7 @@ def estimate_experts(name: str, problem: MoEProblem, platform: Platform, tokens:
     ``activation`` as for `roofline` (the format its mode reads activations in on ``platform``:
     `Mode.activation_format`)."""
     return _estimate(name, experts_roofline(activation), problem, platform, tokens, profile, peers,
-                     scheme=measured_as(problem, activation))
+                     scheme=problem.scheme_run_as(activation))
 
 
 def transport_us(pf_format: ActivationFormat, quantizes: bool, problem: MoEProblem, platform: Platform,

@@ -170,11 +170,6 @@ class EPCapacity:
 
 
 # --- wire format ---------------------------------------------------------------------------------
-def capturing_cuda_graph() -> bool:
-    """True while this thread's CUDA stream is being captured: no value may be read on the host."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def quantizes_before_sending(fmt: QuantFormat, hidden_size: int, dtype: torch.dtype) -> bool:
     """True when activations in ``fmt`` can be quantized on the sending rank.
 
@@ -296,6 +291,11 @@ class ExpertParallelPrepareFinalize(PrepareFinalize[R]):
         if reasons:
             raise MoEConfigError(f"{self.name}: the batch does not fit the capacity set at construction (every "
                                  f"rank raises this): {'; '.join(reasons)}. {fix}")
+
+    def _raise_on_too_many_tokens(self, tokens: list[int]) -> None:
+        """Raises (on every rank: ``tokens`` is every rank's M, exchanged) when one exceeds max_tokens_per_rank."""
+        self._raise_on_overflow(self.capacity.overflow([], tokens, self.placement.owner),
+                                "Build the layer with a larger max_tokens or split the batch")
 
     def _wire(self, quantize_to: QuantFormat) -> tuple[QuantFormat, RowCodec]:
         """The format tokens travel in for experts that want ``quantize_to``, and its codec."""

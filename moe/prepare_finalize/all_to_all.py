@@ -40,13 +40,7 @@ import torch.distributed as dist
 
 from moe.errors import MoEConfigError
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
-from moe.prepare_finalize._ep import (
-    EPCapacity,
-    ExpertParallelPrepareFinalize,
-    RowCodec,
-    arrived_activations,
-    capturing_cuda_graph,
-)
+from moe.prepare_finalize._ep import EPCapacity, ExpertParallelPrepareFinalize, RowCodec, arrived_activations
 from moe.prepare_finalize.base import add_shared, batch_slots
 from moe.prepare_finalize.combine import sum_over_k
 from moe.problem import MoEProblem
@@ -119,8 +113,7 @@ class AllToAllPrepareFinalize(ExpertParallelPrepareFinalize[StandardRoute]):
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         send_counts, recv_counts, tokens = torch.stack([send[:, 0], recv[:, 0], recv[:, 1]]).tolist()  # one sync
-        self._raise_on_overflow(self.capacity.overflow([], tokens, self.placement.owner),
-                                "Build the layer with a larger max_tokens or split the batch")
+        self._raise_on_too_many_tokens(tokens)
         return StandardRoute(rank_token[:, 1], tuple(send_counts), tuple(recv_counts))
 
     def _finalize_slots(self, out: torch.Tensor, kind: OutputKind, dispatched: Dispatched, route: StandardRoute,
@@ -235,7 +228,7 @@ class BatchedAllToAllPrepareFinalize(ExpertParallelPrepareFinalize[BatchedRoute]
     def _agree_capacity(self, topk: TopK) -> None:
         """One all_reduce of (tokens per expert, M per rank); every rank raises the same error."""
         p, capacity = self.problem, self.capacity
-        if capturing_cuda_graph():
+        if _capturing_cuda_graph():
             return self._check_static(topk.num_tokens)
         ids = topk.ids.flatten().long()
         loads = torch.bincount(ids, minlength=p.num_experts)
@@ -336,3 +329,7 @@ def _per_expert(scale: torch.Tensor | None, num_local: int) -> torch.Tensor | No
     if scale is None or scale.dim() == 0:
         return scale
     return scale.view(num_local, -1, scale.shape[-1])
+
+
+def _capturing_cuda_graph() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -160,8 +160,7 @@ class FlashInferAllToAllPrepareFinalize(ExpertParallelPrepareFinalize[FlashInfer
         counts[self.problem.parallel.ep_rank] = num_tokens
         dist.all_reduce(counts, group=self._host_group)
         tokens = counts.tolist()
-        self._raise_on_overflow(self.capacity.overflow([], tokens, self.placement.owner),
-                                "Build the layer with a larger max_tokens or split the batch")
+        self._raise_on_too_many_tokens(tokens)
         return max(1, *tokens)
 
     def _dummy_token(self, payloads: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:

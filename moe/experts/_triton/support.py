@@ -76,11 +76,10 @@ def gpu_of(device: torch.device) -> Platform | None:
 
 def config_key(problem: MoEProblem, fmt: str, device: torch.device) -> ConfigKey:
     """The key of ``problem``'s launch-config table on ``device``. A standard-format weight-only run whose
-    kernels are another scheme's (W4A8 mxfp4 runs as W4A16: `QuantScheme.with_unquantized_activations`)
+    kernels are another scheme's (W4A8 mxfp4 runs as W4A16: `MoEProblem.scheme_run_as`)
     shares that scheme's tables, tuned or packaged."""
-    scheme, same_kernels = problem.quant_name, problem.quant.with_unquantized_activations()
-    if fmt == "standard" and same_kernels and activation_format(problem, gpu_of(device)) is QuantFormat.NONE:
-        scheme = same_kernels.name
+    scheme = problem.scheme_run_as(activation_format(problem, gpu_of(device))) if fmt == "standard" \
+        else problem.quant_name
     return ConfigKey(
         num_experts=problem.local_num_experts,
         top_k=problem.top_k,
