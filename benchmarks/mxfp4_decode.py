@@ -36,11 +36,11 @@ from moe.tools.bench import backend_calls, build_weights, make_inputs, time_call
 
 BANDWIDTH_TBS = {"H100": 3.0, "H200": 4.2}
 # bits per weight: the code and its share of the block scale (8 bits per 32 or 16; fp8: 32 per 128 x 128)
-BITS = {"mxfp4": 4.25, "nvfp4": 4.5, "fp8_block": 8 + 32 / 128**2}
-# (block_n, block_k, splits, num_warps, num_stages, asm)
-FMA_TILES = [(32, 128, 1, 4, 3, True), (32, 128, 2, 4, 3, True), (32, 128, 4, 4, 3, True), (32, 256, 2, 4, 3, True),
-             (64, 128, 1, 4, 3, True), (64, 128, 2, 4, 3, True), (16, 256, 2, 4, 3, True), (64, 64, 4, 4, 4, True),
-             (32, 256, 1, 8, 3, True), (16, 128, 4, 2, 4, True), (32, 128, 2, 4, 3, False), (64, 128, 2, 4, 3, False)]
+BITS = {"mxfp4": 4.25, "nvfp4": 4.5, "mxfp8": 8.25, "fp8_block": 8 + 32 / 128**2}
+# (block_n, block_k, splits, num_warps, num_stages, asm); FMA tiles: the H200 sweep's best of session 12
+# (benchmarks/results/fp4_gemv_decode_nvidia-h200.md) and neighbours; num_stages is unused there
+FMA_TILES = [(32, 128, 4, 4, 1, True), (32, 128, 8, 4, 1, True), (32, 64, 8, 2, 1, True), (64, 128, 4, 8, 1, True),
+             (64, 128, 4, 4, 1, True), (64, 256, 2, 4, 1, True), (32, 128, 2, 4, 1, True), (32, 128, 4, 4, 1, False)]
 DOT_TILES = [(32, 128, 1, 4, 3, True), (32, 128, 2, 4, 3, True), (64, 128, 1, 4, 3, True), (64, 128, 2, 4, 4, True),
              (32, 256, 2, 4, 3, True), (64, 256, 1, 8, 3, True), (16, 128, 2, 4, 4, True), (128, 128, 1, 8, 3, True),
              (64, 64, 4, 4, 4, True), (32, 128, 4, 4, 3, True), (128, 64, 2, 8, 4, True), (32, 128, 2, 4, 3, False),
@@ -73,9 +73,8 @@ def candidates(tokens: int, only: list[DecodeTile] | None = None, quant: str = "
         tiles = [DecodeTile(n, k, s, block_m, False, False, w, st) for n, k, s, w, st in FP8_FMA_TILES] if tokens <= 16 else []
         return tiles + [DecodeTile(n, k, s, 16, True, False, w, st) for n, k, s, w, st in FP8_DOT_TILES]
     tiles = []
-    if tokens <= 16:
-        block_m = 1 if tokens == 1 else 2
-        tiles += [DecodeTile(n, k, s, block_m, False, asm, w, st) for n, k, s, w, st, asm in FMA_TILES]
+    if tokens <= 16:  # fp4 / MXFP8 FMA tiles take one row at a time (decode.py checks block_m == 1)
+        tiles += [DecodeTile(n, k, s, 1, False, asm, w, st) for n, k, s, w, st, asm in FMA_TILES]
     # tensor-core tiles at every M, one token too: the swapped MMA pads activation rows, not weight rows
     tiles += [DecodeTile(n, k, s, 16, True, asm, w, st) for n, k, s, w, st, asm in DOT_TILES]
     return tiles

@@ -26,7 +26,7 @@ from moe.router import TopK  # noqa: E402
 from moe.testing.tolerance import assert_close_moe, regime_for  # noqa: E402
 from tests.test_triton import make_problem, make_weights, reference_reduced, run_experts  # noqa: E402
 
-FMA = DecodeTile(block_n=16, block_k=64, splits=3, block_m=2, dot=False)
+FMA = DecodeTile(block_n=16, block_k=64, splits=3, block_m=1, dot=False)  # fp4 FMA tiles: one row at a time
 DOT = DecodeTile(block_n=16, block_k=128, splits=1, block_m=16, dot=True)
 DOT_SPLIT = DecodeTile(block_n=32, block_k=64, splits=2, block_m=16, dot=True)
 
@@ -97,6 +97,26 @@ def test_decode_tile_rejects_bad_values():
         DecodeTile(block_k=48)
     with pytest.raises(MoEConfigError, match="dot=True needs block_m >= 16"):
         DecodeTile(block_m=4, dot=True)
+
+
+@pytest.mark.parametrize("quant", ["mxfp4", "nvfp4", "mxfp8"])
+def test_fp4_and_mxfp8_fma_tiles_take_one_row(quant, monkeypatch):
+    """FMA tiles of the weight-only formats run one row at a time (`_decode._gemv_k_loop`); more is refused
+    with the argument, the value and the constraint, before any launch."""
+    tile = DecodeTile(block_n=16, block_k=64, splits=1, block_m=2, dot=False)
+    with pytest.raises(MoEConfigError, match=r"FMA decode tiles take one row at a time: block_m must be 1 \(got 2\)"):
+        check(make_problem(quant, "silu", E=8, k=2, H=64, I=96), 1, DecodeConfig(tile, tile), monkeypatch)
+
+
+@pytest.mark.parametrize("rows_per_expert,dot,block_k", [(0.03, False, 128), (0.0625, False, 128), (0.125, False, 64),
+                                                         (0.5, False, 64), (1.0, True, 128), (2.0, True, 128)])
+def test_decode_config_by_rows_per_expert(rows_per_expert, dot, block_k):
+    """GPT-OSS-120B (k/E = 1/32) at M = 1, 4, 16, 64 and Qwen3-30B-A3B (1/16) at M = 1, 16: the buckets the
+    H200 sweep picked (FMA tiles below one row per expert, the tensor-core tile from one)."""
+    config = decode.decode_config(rows_per_expert)
+    assert config.gemm1.dot is dot and config.gemm2.dot is dot
+    assert config.gemm1.block_k == block_k
+    assert all(t.block_m == (16 if dot else 1) for t in (config.gemm1, config.gemm2))
 
 
 @pytest.mark.parametrize("quant", ["nvfp4", "mxfp8"])

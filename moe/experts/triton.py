@@ -132,10 +132,13 @@ class TritonExperts(Experts):
         ids = dispatched.topk.ids
         act = QuantFormat.NONE if weights.weight_only else p.quant.activation  # what the GEMMs read
         if dispatched.x.fmt is QuantFormat.NONE and uses_decode(weights, act, slots):
-            pick = fp8_decode_config if weights.w13.fmt in FP8_DECODE_FORMATS else decode_config
+            if weights.w13.fmt in FP8_DECODE_FORMATS:
+                config = fp8_decode_config(tokens)
+            else:  # by rows per expert: how many rows each streamed weight byte serves
+                config = decode_config(slots / p.local_num_experts)
             return ExpertsOutput(OutputKind.REDUCED, decode_experts(
                 dispatched.x.data, ids, dispatched.topk.weights, weights, p.activation, p.local_num_experts,
-                pick(tokens), workspace, out))
+                config, workspace, out))
         config = weights.configs.lookup(tokens)
         # 1. routing -> blocks of rows sorted by expert (or, for decode, one program per slot)
         if config.direct:

@@ -27,7 +27,7 @@ from moe.testing.tolerance import assert_close_moe, regime_for
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
-FMA = DecodeTile(32, 128, 2, 2, dot=False)
+FMA = DecodeTile(32, 128, 2, 1, dot=False)
 DOT = DecodeTile(64, 128, 2, 16, dot=True)
 DOT_ONE_SPLIT = DecodeTile(32, 256, 1, 16, dot=True, asm=False)
 
@@ -62,12 +62,42 @@ def test_packed_and_float32_dequantization_agree(monkeypatch):
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(weights_for(p))
     d = dispatched_for(p, 16)
+    with_ptx, without = outputs_with_and_without_ptx(
+        experts, d, prepared, lambda asm: DecodeTile(32, 128, 1, 16, dot=True, asm=asm), monkeypatch)
+    assert torch.equal(with_ptx, without)
+
+
+def outputs_with_and_without_ptx(experts, d, prepared, make_tile, monkeypatch):
+    """The experts' outputs with ``make_tile(asm=True)`` and ``make_tile(asm=False)`` for both GEMMs."""
     outs = []
     for asm in (True, False):
-        tile = DecodeTile(32, 128, 1, 16, dot=True, asm=asm)
+        tile = make_tile(asm)
         monkeypatch.setattr("moe.experts.triton.decode_config", lambda m, t=tile: DecodeConfig(t, t))
         outs.append(run(experts, d, prepared).clone())
+    return outs
+
+
+@pytest.mark.parametrize("quant", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_fma_ptx_and_integer_dequantization_agree(quant, tokens, monkeypatch):
+    """The FMA tiles' float16 PTX (`_decode._E2M1_F16X2`) and their integer ops build the same exact
+    unscaled weights: equal outputs, for weights spread over 2**-3 .. 2**7 (MXFP4 scales far above 2,
+    where the tensor-core path's bf16x2 PTX would not be exact); and both match the reference."""
+    p = problem(quant, "silu", E=16, k=4, H=1024, I=512, max_tokens=tokens)
+    weights = weights_for(p, spread=(0.125, 128.0))
+    experts = TritonExperts(p)
+    prepared = experts.prepare_weights(weights)
+    d = dispatched_for(p, tokens)
+    outs = outputs_with_and_without_ptx(
+        experts, d, prepared, lambda asm: DecodeTile(64, 128, 2, 1, dot=False, asm=asm), monkeypatch)
     assert torch.equal(outs[0], outs[1])
+    if quant == "nvfp4":  # weight-only: the reference dequantizes the weights, keeps x in bf16
+        truth = WeightOnlyReferenceExperts(p)
+        want = (run(truth, d, truth.prepare_weights(weights)) * d.topk.weights.unsqueeze(-1)).sum(1).float()
+    else:
+        want = reference(p, d.x.data, d.topk, weights)
+    regime = "bf16" if quant == "nvfp4" else regime_for(p)  # as the NVFP4 tests below
+    assert_close_moe(outs[0].float(), want, regime, context=f"fma ptx {quant} M={tokens}")
 
 
 def qwen3(tokens, quant="fp8_block"):

@@ -13,7 +13,9 @@ padding; program g takes the g-th expert that has any slot (an in-register scan 
 the grid (``min(slots, E)`` groups) depends on M only. Without grouping, program g takes slot g
 (one token: its k experts are distinct, and the alignment launch is saved).
 
-The weight format lives in `_weight_half_tiles` and its scale decoders: NVFP4 and MXFP8 plug in there.
+Two program kinds (``DOT``): tensor-core tiles of 16 rows (`_k_loop`), and FMA tiles of one row
+(`_gemv_k_loop`), which win below one row per expert. The weight format lives in `_weight_half_tiles`
+(tensor cores) and `_gemv_values` / `_gemv_step` (FMAs) with their scale decoders.
 """
 
 import triton
@@ -21,7 +23,8 @@ import triton.language as tl
 
 from moe.experts._triton._decode_fp8 import GROUP, fp8_k_loop
 from moe.experts._triton._gemm import (_FP8_BLOCK, _FP8_ROW, _MXFP8, _NVFP4, _activate, _dot, _e4m3_scaled,
-                                       _fp4_half_tiles, _fp4_load, _fp4_scale_words, _mxfp8_tile)
+                                       _e8m0_factor, _fp4_factors, _fp4_half_tiles, _fp4_load, _fp4_scale_words,
+                                       _mxfp8_tile)
 from moe.experts._triton._lang import cdiv_, cumsum_, sum_
 
 # e2m1 codes of 4 bytes -> 8 bfloat16 values times the scale, 2 per register. The code's magnitude
@@ -130,44 +133,31 @@ def _weight_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, SCALES: tl.constexpr, d
 
 
 @triton.jit
-def _accumulate(acc, a_lo, a_hi, w_lo, w_hi, DOT: tl.constexpr, IEEE: tl.constexpr):
-    """``acc += a_lo @ w_lo + a_hi @ w_hi``. ``DOT``: tensor cores with the operands swapped,
-    ``acc^T [BLOCK_N, BLOCK_M] += w^T @ a^T`` (A given transposed, ``[BLOCK_K/2, BLOCK_M]``): the few
-    activation rows are the MMA's narrow side (16), the dequantized weights its register operand --
-    which Triton 3.6 still stages through shared memory to reach that layout (ncu:
-    benchmarks/results/mxfp4_decode_nvidia-h100.md). Else float32 FMAs into ``[BLOCK_M, BLOCK_K/2,
-    BLOCK_N]``, reduced over K after the loop (few rows)."""
-    # if/else rather than an early return: Triton on the GPU type-checks the code after a constexpr return
-    if DOT:
-        acc = _dot(tl.trans(w_hi), a_hi, _dot(tl.trans(w_lo), a_lo, acc, IEEE), IEEE)
-    else:
-        lo = a_lo.to(tl.float32)[:, :, None] * w_lo.to(tl.float32)[None, :, :]
-        acc = acc + lo + a_hi.to(tl.float32)[:, :, None] * w_hi.to(tl.float32)[None, :, :]
-    return acc
+def _accumulate(acc, a_lo, a_hi, w_lo, w_hi, IEEE: tl.constexpr):
+    """``acc^T [BLOCK_N, BLOCK_M] += w_lo^T @ a_lo + w_hi^T @ a_hi``: tensor cores with the operands
+    swapped (A given transposed, ``[BLOCK_K/2, BLOCK_M]``), the few activation rows the MMA's narrow side
+    (16), the dequantized weights its register operand -- which Triton 3.6 still stages through shared
+    memory to reach that layout (ncu: benchmarks/results/mxfp4_decode_nvidia-h100.md)."""
+    return _dot(tl.trans(w_hi), a_hi, _dot(tl.trans(w_lo), a_lo, acc, IEEE), IEEE)
 
 
 @triton.jit
-def _a_pointers(a_ptr, a_rows, row_ok, stride_am, k0, groups_left, DOT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A's low half-tile pointers and mask at K offset ``k0`` (the high half is 16 further): ``[BLOCK_M,
-    BLOCK_K/2]``, or transposed ``[BLOCK_K/2, BLOCK_M]`` for the swapped MMA (``DOT``)."""
+def _a_pointers(a_ptr, a_rows, row_ok, stride_am, k0, groups_left, BLOCK_K: tl.constexpr):
+    """A's low half-tile pointers and mask at K offset ``k0`` (the high half is 16 further), transposed
+    for the swapped MMA: ``[BLOCK_K/2, BLOCK_M]``."""
     offs_b = tl.arange(0, BLOCK_K // 2)
     k_low = k0 + (offs_b // 16) * 32 + offs_b % 16
     k_ok = (offs_b // 16) < groups_left
-    if DOT:
-        ptrs = a_ptr + a_rows[None, :] * stride_am + k_low[:, None]
-        ok = row_ok[None, :] & k_ok[:, None]
-    else:
-        ptrs = a_ptr + a_rows[:, None] * stride_am + k_low[None, :]
-        ok = row_ok[:, None] & k_ok[None, :]
-    return ptrs, ok
+    return a_ptr + a_rows[None, :] * stride_am + k_low[:, None], row_ok[None, :] & k_ok[:, None]
 
 
 @triton.jit
 def _k_loop(acc, acc_up, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wn, ws_base, stride_wsn,
             stride_wsk, offs_n, N, K, k_first, k_last,
-            GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
+            GATED: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
             ASM: tl.constexpr, SCALES: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K steps ``k_first .. k_last - 1`` of one row chunk; the half-tiles' A columns are runs of 16.
+    """The tensor-core K loop: K steps ``k_first .. k_last - 1`` of one row chunk; the half-tiles' A
+    columns are runs of 16.
     Group g's scale is byte g of the scale words (MXFP4, MXFP8), or bytes 2g and 2g + 1 (NVFP4: one per 16).
     A row's bytes per group: 16 packed fp4, or 32 MXFP8 (one per element, the canonical order)."""
     if SCALES == _MXFP8:
@@ -182,18 +172,141 @@ def _k_loop(acc, acc_up, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wn, ws
     for kk in range(k_first, k_last):
         group = kk * (BLOCK_K // 32) + g3
         groups_left = K // 32 - kk * (BLOCK_K // 32)
-        a_ptrs, a_ok = _a_pointers(a_ptr, a_rows, row_ok, stride_am, kk * BLOCK_K, groups_left, DOT, BLOCK_K)
+        a_ptrs, a_ok = _a_pointers(a_ptr, a_rows, row_ok, stride_am, kk * BLOCK_K, groups_left, BLOCK_K)
         a_lo = tl.load(a_ptrs, mask=a_ok, other=0.0)
         a_hi = tl.load(a_ptrs + 16, mask=a_ok, other=0.0)
         s_ptrs, shifts = _fp4_scale_words(s_base, group, stride_wsk, SCALES)
         w_lo, w_hi = _weight_half_tiles(w_ptrs, s_ptrs, shifts, g3 < groups_left, SCALES, a_lo.dtype, EVEN_K,
                                         ASM, BLOCK_K, BLOCK_N)
-        acc = _accumulate(acc, a_lo, a_hi, w_lo, w_hi, DOT, IEEE)
+        acc = _accumulate(acc, a_lo, a_hi, w_lo, w_hi, IEEE)
         if GATED:  # the up rows: N further down, in the data and in the scale words alike
             w_lo, w_hi = _weight_half_tiles(w_ptrs + N * stride_wn, s_ptrs + N * stride_wsn, shifts,
                                             g3 < groups_left, SCALES, a_lo.dtype, EVEN_K, ASM, BLOCK_K, BLOCK_N)
-            acc_up = _accumulate(acc_up, a_lo, a_hi, w_lo, w_hi, DOT, IEEE)
+            acc_up = _accumulate(acc_up, a_lo, a_hi, w_lo, w_hi, IEEE)
         w_ptrs += step_bytes
+    return acc, acc_up
+
+
+# e2m1 codes of 4 bytes -> their 8 values times 2**-14 as float16 bits, exact (no scale): the magnitude
+# goes to bits 9..11 (exponent 10..11, top mantissa bit 9), the sign to bit 15; code 1 is a float16
+# subnormal, 2**-15. prmt spreads bytes 0..1 (then 2..3) to the halves' bits 8..15 as in `_E2M1_PTX`.
+_E2M1_F16X2 = tl.constexpr("""
+{
+.reg .b32 t<2>, s, m, zero;
+mov.b32 zero, 0;
+prmt.b32 t0, $4, zero, 0x1404;
+prmt.b32 t1, $4, zero, 0x3424;
+shl.b32 s, t0, 4;
+shl.b32 m, t0, 1;
+and.b32 s, s, 0x80008000;
+and.b32 m, m, 0x0E000E00;
+or.b32 $0, s, m;
+shl.b32 s, t1, 4;
+shl.b32 m, t1, 1;
+and.b32 s, s, 0x80008000;
+and.b32 m, m, 0x0E000E00;
+or.b32 $1, s, m;
+shr.b32 m, t0, 3;
+and.b32 s, t0, 0x80008000;
+and.b32 m, m, 0x0E000E00;
+or.b32 $2, s, m;
+shr.b32 m, t1, 3;
+and.b32 s, t1, 0x80008000;
+and.b32 m, m, 0x0E000E00;
+or.b32 $3, s, m;
+}
+""")
+
+
+@triton.jit
+def _gemv_values(packed, SCALES: tl.constexpr, ASM: tl.constexpr):
+    """The unscaled float32 weights of one K step's bytes ``[BLOCK_N, G, 16]``: (low, high) -- fp4: the
+    low and high nibbles' e2m1 values times 2**-14 (``ASM``: `_E2M1_F16X2`, else the same float16 bits
+    from integer ops); MXFP8: the bytes as given, e4m3 values times 2**-8 (low only; the caller loads
+    the high half-tile separately). All exact."""
+    if SCALES == _MXFP8:
+        low = _e4m3_scaled(packed, tl.float32)
+        high = low
+    elif ASM:
+        low, high = tl.inline_asm_elementwise(_E2M1_F16X2, "=r,=r,=r,=r,r", [packed],
+                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        low, high = low.to(tl.float32), high.to(tl.float32)
+    else:
+        bits = packed.to(tl.int32)
+        low = (((bits & 0x08) << 12) | ((bits & 0x07) << 9)).to(tl.uint16).to(tl.float16, bitcast=True)
+        high = (((bits & 0x80) << 8) | ((bits & 0x70) << 5)).to(tl.uint16).to(tl.float16, bitcast=True)
+        low, high = low.to(tl.float32), high.to(tl.float32)
+    return low, high
+
+
+@triton.jit
+def _gemv_load(w_ptrs, s_ptrs, ok, SCALES: tl.constexpr):
+    """One K step's weight bytes ``[1, BLOCK_N, G, 16]`` (MXFP8: the groups' first and second 16; fp4: the
+    same bytes twice) and scale words ``[1, BLOCK_N, G]``; ``ok [1, 1, G]`` masks groups past K or the
+    split (read as 0)."""
+    lo = tl.load(w_ptrs, mask=ok[:, :, :, None], other=0)
+    hi = lo
+    if SCALES == _MXFP8:
+        hi = tl.load(w_ptrs + 16, mask=ok[:, :, :, None], other=0)
+    return lo, hi, tl.load(s_ptrs, mask=ok, other=0)
+
+
+@triton.jit
+def _gemv_step(acc, a_lo, a_hi, lo_bytes, hi_bytes, words, shifts, SCALES: tl.constexpr, ASM: tl.constexpr):
+    """``acc [BLOCK_M, BLOCK_N, G] += factor * (a_lo . w_lo + a_hi . w_hi)`` over each group's 16 + 16
+    elements: the products of exact unscaled weights (`_gemv_values`) summed per group in float32, then
+    times the group's factors (`_gemm._fp4_factors`: scale times 2**14; MXFP8 the e8m0 scale times 2**8).
+    One factor per group (MXFP4, MXFP8): one sum over the group's 32 products."""
+    w_lo, w_hi = _gemv_values(lo_bytes, SCALES, ASM)
+    if SCALES == _MXFP8:
+        w_hi = _e4m3_scaled(hi_bytes, tl.float32)
+        factor = _e8m0_factor((words >> shifts) & 255) * 0.015625  # 2**-6: scale * 2**8
+        acc += sum_(a_lo * w_lo + a_hi * w_hi, 3) * factor
+    elif SCALES == _NVFP4:  # a scale per 16: the low and the high half-tile each have their own
+        f_lo, f_hi = _fp4_factors(words, shifts, SCALES)
+        acc += sum_(a_lo * w_lo, 3) * f_lo + sum_(a_hi * w_hi, 3) * f_hi
+    else:
+        factor, _ = _fp4_factors(words, shifts, SCALES)
+        acc += sum_(a_lo * w_lo + a_hi * w_hi, 3) * factor
+    return acc
+
+
+@triton.jit
+def _gemv_k_loop(acc, acc_up, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wn, ws_base, stride_wsn,
+                 stride_wsk, offs_n, N, K, k_first, k_last,
+                 GATED: tl.constexpr, ASM: tl.constexpr, SCALES: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The one-row K loop (float32 FMAs): K steps ``k_first .. k_last - 1`` into ``acc [1, BLOCK_N, G]``.
+    The weight bytes are addressed ``[1, BLOCK_N, G, 16]``, each thread's 16 contiguous bytes one row's
+    group (one 16-byte load, one scale), and every tensor keeps that layout: no reshape, no layout change
+    of the weights; only the step's 64 activations are redistributed. One row: with more, Triton laid the
+    products out as the activations (the weights went through shared memory, the group sums across
+    threads: 3x slower on an H200), so a program takes its rows one at a time (the launcher's check).
+    Loads a step ahead (registers) measured slower (the bytes are carried one per register)."""
+    if SCALES == _MXFP8:
+        group_bytes = 32
+    else:
+        group_bytes = 16
+    G: tl.constexpr = BLOCK_K // 32
+    g3 = tl.arange(0, G)[None, None, :]
+    g4 = g3[:, :, :, None]
+    j4 = tl.arange(0, 16)[None, None, None, :]
+    step_bytes = G * group_bytes
+    w_ptrs = w_base + offs_n[None, :, None, None] * stride_wn + (k_first * step_bytes + g4 * group_bytes + j4)
+    s_base = ws_base + offs_n[None, :, None] * stride_wsn
+    a_ptrs = a_ptr + a_rows[:, None, None, None] * stride_am + (k_first * BLOCK_K + g4 * 32 + j4)
+    for kk in range(k_first, k_last):
+        ok = kk * G + g3 < K // 32
+        s_ptrs, shifts = _fp4_scale_words(s_base, kk * G + g3, stride_wsk, SCALES)
+        a_ok = row_ok[:, None, None, None] & ok[:, :, :, None]
+        a_lo = tl.load(a_ptrs, mask=a_ok, other=0.0).to(tl.float32)
+        a_hi = tl.load(a_ptrs + 16, mask=a_ok, other=0.0).to(tl.float32)
+        lo, hi, words = _gemv_load(w_ptrs, s_ptrs, ok, SCALES)
+        acc = _gemv_step(acc, a_lo, a_hi, lo, hi, words, shifts, SCALES, ASM)
+        if GATED:  # the up rows: N further down, in the data and in the scale words alike
+            lo, hi, words = _gemv_load(w_ptrs + N * stride_wn, s_ptrs + N * stride_wsn, ok, SCALES)
+            acc_up = _gemv_step(acc_up, a_lo, a_hi, lo, hi, words, shifts, SCALES, ASM)
+        w_ptrs += step_bytes
+        a_ptrs += BLOCK_K
     return acc, acc_up
 
 
@@ -261,18 +374,19 @@ def decode_gemm_kernel(
         else:
             if DOT:  # transposed (see `_accumulate`)
                 acc = tl.full([BLOCK_N, BLOCK_M], 0, tl.float32)
-            else:
-                acc = tl.full([BLOCK_M, BLOCK_K // 2, BLOCK_N], 0, tl.float32)
-            acc, acc_up = _k_loop(acc, acc, a_ptr, slots // A_ROW_DIV, row_ok, stride_am, w_base, stride_wn,
-                                  ws_base, stride_wsn, stride_wsk, offs_n, N, K, k_first, k_last,
-                                  GATED, EVEN_K, IEEE, DOT, ASM, SCALES, BLOCK_K, BLOCK_N)
-            if DOT:
+                acc, acc_up = _k_loop(acc, acc, a_ptr, slots // A_ROW_DIV, row_ok, stride_am, w_base, stride_wn,
+                                      ws_base, stride_wsn, stride_wsk, offs_n, N, K, k_first, k_last,
+                                      GATED, EVEN_K, IEEE, ASM, SCALES, BLOCK_K, BLOCK_N)
                 acc, acc_up = tl.trans(acc), tl.trans(acc_up)
             else:
-                acc, acc_up = sum_(acc, 1), sum_(acc_up, 1)
+                acc = tl.full([BLOCK_M, BLOCK_N, BLOCK_K // 32], 0, tl.float32)
+                acc, acc_up = _gemv_k_loop(acc, acc, a_ptr, slots // A_ROW_DIV, row_ok, stride_am, w_base,
+                                           stride_wn, ws_base, stride_wsn, stride_wsk, offs_n, N, K, k_first,
+                                           k_last, GATED, ASM, SCALES, BLOCK_K)
+                acc, acc_up = sum_(acc, 2), sum_(acc_up, 2)
         if SCALES == _NVFP4:  # the expert's global scale factors out of the sum over K (and the splits)
             global_scale = tl.load(wg_ptr + expert)
-            if ASM:  # the rest of the PTX's bias (`_e4m3_bf16_biased`)
+            if ASM and DOT:  # the rest of the bf16x2 PTX's bias (`_e4m3_bf16_biased`; the FMA path's PTX has none)
                 global_scale = global_scale * NVFP4_ASM_UNBIAS
             acc, acc_up = acc * global_scale, acc_up * global_scale
         mask = row_ok[:, None] & n_ok[None, :]

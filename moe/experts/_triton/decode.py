@@ -46,10 +46,12 @@ _EPILOGUE_BLOCK = 1024
 @dataclass(frozen=True)
 class DecodeTile:
     """One decode GEMM's program: ``block_m`` slots of one expert x ``block_n`` output columns x
-    ``K / splits``. ``dot``: tensor cores (block_m >= 16) or float32 FMAs (few rows); ``asm``:
-    packed bf16x2 PTX dequantization where `packed_dequantization` holds (bfloat16 activations on a
-    GPU; NVFP4 with any e4m3 scale, MXFP4 with scales <= 2), else exact float32 math. fp8 weights:
-    ``block_k`` divides 128, the pieces a 128-column K step is consumed in (``asm`` unused)."""
+    ``K / splits``. ``dot``: tensor cores (block_m >= 16) or float32 FMAs (few rows). ``asm`` (fp4 on a
+    GPU): PTX dequantization -- with ``dot`` the packed bf16x2 one where `packed_dequantization` holds
+    (bfloat16 activations; NVFP4 with any e4m3 scale, MXFP4 with scales <= 2), without it the exact
+    unscaled float16 one (`_decode._E2M1_F16X2`, any activation dtype); else exact integer and float32
+    math. fp8 weights: ``block_k`` divides 128, the pieces a 128-column K step is consumed in (``asm``
+    unused)."""
 
     block_n: int = 32
     block_k: int = 128
@@ -75,11 +77,15 @@ class DecodeConfig:
     gemm2: DecodeTile
 
 
-# by M (tokens), the nearest bucket at or below M: the fastest of benchmarks/mxfp4_decode.py's sweep on an
-# H100 (GPT-OSS-120B's shape, bf16, 49 candidates per M; benchmarks/results/mxfp4_decode_nvidia-h100.md)
+# MXFP4 / NVFP4 / MXFP8 weight-only, by the slots per local expert (M * k / E: how many rows each expert hit
+# multiplies), the nearest bucket at or below: the fastest of benchmarks/mxfp4_decode.py's sweeps on an
+# H200 (benchmarks/results/fp4_gemv_decode_nvidia-h200.md; GPT-OSS-120B M = 1, 4, 16, 64 and Qwen3-30B-A3B
+# M = 1, 16, MXFP4, NVFP4 and MXFP8). Below one row per expert the FMA tiles, one row at a time, win (GPT-OSS
+# up to M = 16, Qwen3 at M = 1); from one row per expert the tensor-core tile (Qwen3 at M = 16, GPT-OSS at 64).
 DECODE_CONFIGS = {
-    1: DecodeConfig(DecodeTile(64, 64, 4, 16, True, True, 4, 4), DecodeTile(16, 256, 2, 1, False, True, 4, 3)),
-    2: DecodeConfig(DecodeTile(64, 128, 1, 16, True, True, 4, 3), DecodeTile(64, 128, 1, 16, True, True, 4, 3)),
+    0.0: DecodeConfig(DecodeTile(32, 128, 4, 1, False, True, 4, 1), DecodeTile(32, 128, 4, 1, False, True, 4, 1)),
+    0.1: DecodeConfig(DecodeTile(32, 64, 8, 1, False, True, 2, 1), DecodeTile(32, 64, 8, 1, False, True, 2, 1)),
+    1.0: DecodeConfig(DecodeTile(64, 128, 1, 16, True, True, 4, 3), DecodeTile(64, 128, 1, 16, True, True, 4, 3)),
 }
 
 
@@ -98,9 +104,9 @@ def _bucket(configs: dict, num_tokens: int) -> DecodeConfig:
     return configs[max(m for m in configs if m <= max(num_tokens, 1))]
 
 
-def decode_config(num_tokens: int) -> DecodeConfig:
-    """MXFP4 / NVFP4 / MXFP8 weights' config for ``num_tokens`` (tuned for MXFP4; MXFP8's untuned)."""
-    return _bucket(DECODE_CONFIGS, num_tokens)
+def decode_config(rows_per_expert: float) -> DecodeConfig:
+    """MXFP4 / NVFP4 / MXFP8 weights' config for ``rows_per_expert`` = slots / local experts."""
+    return DECODE_CONFIGS[max(r for r in DECODE_CONFIGS if r <= max(rows_per_expert, 0.0))]
 
 
 def fp8_decode_config(num_tokens: int) -> DecodeConfig:
@@ -143,6 +149,13 @@ def packed_dequantization(weights: TritonWeights, x: torch.Tensor) -> bool:
     return exact and x.dtype == torch.bfloat16 and x.is_cuda
 
 
+def tile_asm(tile: DecodeTile, weights: TritonWeights, x: torch.Tensor) -> bool:
+    """Whether ``tile``'s GEMMs dequantize fp4 with PTX (see `DecodeTile`): never in the interpreter."""
+    if not tile.asm or weights.w13.fmt not in (QuantFormat.MXFP4, QuantFormat.NVFP4):
+        return False
+    return packed_dequantization(weights, x) if tile.dot else x.is_cuda
+
+
 def _activation_args(activation: Activation | None) -> tuple[float, float, float]:
     act = activation
     return (act.alpha, act.beta, act.limit) if act is not None and act.alpha is not None else (0.0, 0.0, 0.0)
@@ -183,6 +196,9 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor, part: torch.Tens
     if fp8 and FP8_GROUP_SIZE % tile.block_k:
         raise MoEConfigError(f"fp8 decode tiles need block_k dividing the {FP8_GROUP_SIZE}-column K step "
                              f"(got {tile.block_k}); use 32, 64 or 128")
+    if not fp8 and not tile.dot and tile.block_m != 1:
+        raise MoEConfigError(f"{w.fmt.value} FMA decode tiles take one row at a time: block_m must be 1 "
+                             f"(got {tile.block_m}); use dot=True for 16-row tiles")
     fused = tile.splits == 1 and out is not None
     has_map = routing.expert_map is not None
     grid = (cdiv(n_out, tile.block_n) * tile.splits, routing.groups)
@@ -214,12 +230,11 @@ def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     tokens, top_k = topk_ids.shape
     slots = tokens * top_k
     w13, w2 = weights.w13, weights.w2
-    asm = packed_dequantization(weights, x)
     routing = _routing(topk_ids, weights, num_local, workspace)
     inter = workspace["inter"][:slots]
     part1 = workspace["decode_part1"][: config.gemm1.splits, :slots]
     part2 = workspace["decode_part2"][: config.gemm2.splits, :slots]
-    _gemm(x, w13, inter, part1, routing, activation, top_k, config.gemm1, asm and config.gemm1.asm)
+    _gemm(x, w13, inter, part1, routing, activation, top_k, config.gemm1, tile_asm(config.gemm1, weights, x))
     has_map = routing.expert_map is not None
     emap = routing.expert_map if has_map else routing.ids
     if config.gemm1.splits > 1:
@@ -230,7 +245,7 @@ def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
             *_activation_args(activation), GATED=activation.is_gated,
             ACTIVATION=ACTIVATION_CODES[activation.kind], HAS_BIAS=w13.bias is not None, HAS_MAP=has_map,
             SPLITS=config.gemm1.splits, BLOCK=_EPILOGUE_BLOCK)
-    _gemm(inter, w2, None, part2, routing, None, 1, config.gemm2, asm and config.gemm2.asm)
+    _gemm(inter, w2, None, part2, routing, None, 1, config.gemm2, tile_asm(config.gemm2, weights, x))
     hidden = out.shape[1]
     _decode.combine_splits_kernel[(tokens, cdiv(hidden, _EPILOGUE_BLOCK))](
         part2, w2.bias if w2.bias is not None else part2, topk_weights, routing.ids, emap, out, hidden,

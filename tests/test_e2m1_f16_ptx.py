@@ -1,0 +1,112 @@
+"""The FMA decode path's e2m1 PTX (`_decode._E2M1_F16X2`), run on the CPU: the interpreter runs no PTX, so
+the PTX text itself is executed here by a small emulator of the instructions it uses (mov, prmt, shl, shr,
+and, or on 32-bit registers) for every byte in every position, and each output is checked against the e2m1
+table: the value times 2**-14 as float16 bits, exact; and `decode.tile_asm`, which chooses it."""
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moe.experts._triton._decode import _E2M1_F16X2  # noqa: E402
+from moe.experts._triton.decode import DecodeTile, tile_asm  # noqa: E402
+from moe.quant import QuantFormat  # noqa: E402
+
+E2M1_VALUES = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
+MASK = 0xFFFFFFFF
+
+
+def _prmt(a: int, b: int, selector: int) -> int:
+    """prmt.b32's default mode: byte i of the result is byte (selector nibble i & 7) of {b, a}, or that
+    byte's sign bit replicated when the nibble's bit 3 is set."""
+    source = [(a >> (8 * i)) & 255 for i in range(4)] + [(b >> (8 * i)) & 255 for i in range(4)]
+    out = 0
+    for i in range(4):
+        nibble = (selector >> (4 * i)) & 15
+        byte = source[nibble & 7]
+        if nibble & 8:
+            byte = 255 if byte & 128 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def run_ptx(text: str, inputs: dict[str, int]) -> dict[str, int]:
+    """Executes ``text`` (one brace block; ``$n`` operands) on 32-bit registers; returns every register."""
+    regs = dict(inputs)
+
+    def value(token: str) -> int:
+        token = token.strip()
+        return regs[token] if token in regs else int(token, 0) & MASK
+
+    ops = {
+        "mov": lambda a: a,
+        "shl": lambda a, b: (a << b) & MASK,
+        "shr": lambda a, b: a >> b,  # .b32: logical
+        "and": lambda a, b: a & b,
+        "or": lambda a, b: a | b,
+        "prmt": _prmt,
+    }
+    for line in text.strip().strip("{}").splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line.startswith(".reg"):
+            continue
+        opcode, operands = line.split(None, 1)
+        name, kind = opcode.split(".", 1)
+        assert kind == "b32", f"emulator knows .b32 only: {line}"
+        dest, *args = [o.strip() for o in operands.split(",")]
+        regs[dest] = ops[name](*(value(a) for a in args))
+    return regs
+
+
+def _f16(bits: int) -> float:
+    return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.float16).item()
+
+
+def test_the_emulator_reads_prmt_as_the_ptx_manual_does():
+    assert _prmt(0x44332211, 0x88776655, 0x3210) == 0x44332211
+    assert _prmt(0x44332211, 0x88776655, 0x7654) == 0x88776655
+    assert _prmt(0x44332211, 0, 0x1404) == 0x22001100  # byte 0 to bits 8..15, byte 1 to 24..31
+    assert _prmt(0x000000F0, 0, 0x8888) == 0xFFFFFFFF  # sign replicate
+
+
+@pytest.mark.parametrize("position", range(4))
+def test_every_byte_in_every_position_decodes_exactly(position):
+    """Byte ``position`` of the 32-bit input: its low nibble is element ``position`` of the low output
+    (``$0``: elements 0, 1; ``$1``: 2, 3, each in a float16 half), its high nibble the same element of
+    the high output (``$2``, ``$3``); the other three bytes hold other codes, which must not leak."""
+    text = re.sub(r"\$(\d)", r"r\1", _E2M1_F16X2.value)
+    for byte in range(256):
+        others = (0x5A, 0xC3, 0x99, 0x0F)
+        packed = 0
+        for i in range(4):
+            packed |= (byte if i == position else others[i]) << (8 * i)
+        out = run_ptx(text, {"r4": packed})
+        for half_tile, nibble in ((0, byte & 15), (2, byte >> 4)):
+            register = out[f"r{half_tile + position // 2}"]
+            bits = (register >> (16 * (position % 2))) & 0xFFFF
+            got = _f16(bits)
+            assert got == E2M1_VALUES[nibble] * 2.0**-14, (byte, position, half_tile, hex(register))
+            assert (bits >> 15) == (nibble >> 3)  # the sign survives, -0 included
+
+
+def _weights(fmt):
+    return SimpleNamespace(w13=SimpleNamespace(fmt=fmt), small_scales=False)
+
+
+@pytest.mark.parametrize("fmt,dot,dtype,cuda,want", [
+    (QuantFormat.MXFP4, False, torch.bfloat16, True, True),  # the FMA path's PTX: exact for any scale
+    (QuantFormat.MXFP4, False, torch.float16, True, True),  # and any activation dtype
+    (QuantFormat.NVFP4, False, torch.float32, True, True),
+    (QuantFormat.MXFP4, False, torch.bfloat16, False, False),  # the interpreter runs no PTX
+    (QuantFormat.MXFP4, True, torch.bfloat16, True, False),  # tensor cores: bf16x2 PTX, MXFP4 needs small scales
+    (QuantFormat.NVFP4, True, torch.bfloat16, True, True),
+    (QuantFormat.MXFP8, False, torch.bfloat16, True, False),  # no PTX for e4m3 weights
+])
+def test_tile_asm_choice(fmt, dot, dtype, cuda, want):
+    tile = DecodeTile(32, 128, 1, 16 if dot else 1, dot)
+    assert tile_asm(tile, _weights(fmt), SimpleNamespace(dtype=dtype, is_cuda=cuda)) is want
+    assert tile_asm(DecodeTile(32, 128, 1, 16 if dot else 1, dot, asm=False), _weights(fmt),
+                    SimpleNamespace(dtype=dtype, is_cuda=cuda)) is False
