@@ -21,7 +21,7 @@ from moe.experts._triton import decode  # noqa: E402
 from moe.experts._triton.decode import DecodeConfig, DecodeTile  # noqa: E402
 from moe.experts.triton import TritonExperts  # noqa: E402
 from moe.formats import ActivationFormat, Dispatched  # noqa: E402
-from moe.quant import QuantizedTensor  # noqa: E402
+from moe.quant import QuantFormat, QuantizedTensor  # noqa: E402
 from moe.router import TopK  # noqa: E402
 from moe.testing.tolerance import assert_close_moe, regime_for  # noqa: E402
 from tests.test_triton import make_problem, make_weights, reference_reduced, run_experts  # noqa: E402
@@ -106,6 +106,28 @@ def test_fp4_and_mxfp8_fma_tiles_take_one_row(quant, monkeypatch):
     tile = DecodeTile(block_n=16, block_k=64, splits=1, block_m=2, dot=False)
     with pytest.raises(MoEConfigError, match=r"FMA decode tiles take one row at a time: block_m must be 1 \(got 2\)"):
         check(make_problem(quant, "silu", E=8, k=2, H=64, I=96), 1, DecodeConfig(tile, tile), monkeypatch)
+
+
+def test_weight_only_decode_path_taken_up_to_512_slots(monkeypatch):
+    """NVFP4 takes the decode kernels up to `WEIGHT_ONLY_DECODE_MAX_SLOTS` (512) slots and the grouped GEMM
+    above; fp8 W8A8 keeps 256 (tests/test_triton_decode_fp8.py)."""
+    assert decode.max_slots(QuantFormat.NVFP4) == decode.WEIGHT_ONLY_DECODE_MAX_SLOTS == 512
+    assert decode.max_slots(QuantFormat.FP8_BLOCK) == decode.DECODE_MAX_SLOTS == 256
+    from moe.experts.reference import WeightOnlyReferenceExperts
+
+    p = make_problem("nvfp4", "silu", E=8, k=4, H=64, I=64, max_tokens=132)
+    weights = make_weights(p)
+    calls = []
+    real = decode.decode_experts
+    monkeypatch.setattr("moe.experts.triton.decode_experts", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    for tokens in (128, 129):  # 512 and 516 slots
+        x = torch.randn(tokens, p.hidden_size).to(p.dtype)
+        topk = routed(tokens, p)
+        d = Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=x, scale=None, fmt="none"), topk)
+        out = run_experts(TritonExperts(p), d, weights).out
+        want = (run_experts(WeightOnlyReferenceExperts(p), d, weights).out * topk.weights.unsqueeze(-1)).sum(1)
+        assert_close_moe(out.float(), want.float(), regime_for(p), context=f"nvfp4 M={tokens}")
+    assert calls == [128]
 
 
 @pytest.mark.parametrize("rows_per_expert,dot,block_k", [(0.03, False, 128), (0.0625, False, 128), (0.125, False, 64),

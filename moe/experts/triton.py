@@ -118,7 +118,8 @@ class TritonExperts(Experts):
             **quant_buffers(act, "x", tokens, p.hidden_size),
             **quant_buffers(act, "inter", rows, p.intermediate_size),
             **wgmma,
-            **(decode_buffers(slots, p.w13_rows, p.hidden_size) if decodes(p.quant.weight, act) else {}),
+            **(decode_buffers(slots, p.w13_rows, p.hidden_size, p.quant.weight) if decodes(p.quant.weight, act)
+               else {}),
         )
 
     def apply(self, dispatched: Dispatched, weights: TritonWeights, workspace: Workspace) -> ExpertsOutput:

@@ -107,8 +107,9 @@ def qwen3(tokens, quant="fp8_block"):
 @pytest.mark.parametrize("most", [False, True], ids=["one-token", "most-tokens"])
 @pytest.mark.parametrize("shape", [gpt_oss, qwen3], ids=["gpt-oss-mxfp4", "qwen3-fp8-block"])
 def test_decode_cuda_graph_replay_equals_eager(most, shape):
-    """One token, and the most tokens the decode path takes (DECODE_MAX_SLOTS slots)."""
-    tokens = decode.DECODE_MAX_SLOTS // shape(1).top_k if most else 1
+    """One token, and the most tokens the decode path takes (`decode.max_slots` slots: 512 for MXFP4, 256 for
+    fp8_block)."""
+    tokens = decode.max_slots(shape(1).quant.weight) // shape(1).top_k if most else 1
     p = shape(tokens)
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(weights_for(p))

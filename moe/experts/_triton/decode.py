@@ -36,7 +36,12 @@ from moe.errors import MoEConfigError
 from moe.quant import QuantFormat
 from moe.quant.fp8 import FP8_GROUP_SIZE  # one K step of the fp8 decode loop
 
-DECODE_MAX_SLOTS = 256  # M * k up to this takes the decode path (`decodes`)
+# M * k up to this takes the decode path (`uses_decode`): fp8 W8A8 256 (its sweeps); the weight-only formats 512,
+# where the tensor-core tile at 4 rows per expert still beat the grouped GEMM on an H200 (Qwen3-30B-A3B nvfp4 at
+# M = 64: 281.5 against 669.1 us; GPT-OSS-120B nvfp4 / mxfp4 at M = 128: 1263 / 1257 against 2458 / 1482; MXFP8
+# Qwen3 M = 64 a tie, 428 / 425; benchmarks/results/fp4_gemv_decode_nvidia-h200.md)
+DECODE_MAX_SLOTS = 256
+WEIGHT_ONLY_DECODE_MAX_SLOTS = 512
 DECODE_FORMATS = (QuantFormat.MXFP4, QuantFormat.NVFP4, QuantFormat.MXFP8)  # weight-only: 16-bit activations
 FP8_DECODE_FORMATS = (QuantFormat.FP8_BLOCK, QuantFormat.FP8_ROW)  # W8A8 (fp8_block, fp8_token)
 MAX_SPLITS = 8  # the partial-sum workspace holds this many K splits
@@ -127,13 +132,18 @@ def decodes(weight_fmt: QuantFormat, activation_fmt: QuantFormat) -> bool:
 
 
 def uses_decode(weights: TritonWeights, activation_fmt: QuantFormat, num_slots: int) -> bool:
-    """Whether a forward of ``num_slots`` slots takes the decode path: `decodes` and few slots."""
-    return decodes(weights.w13.fmt, activation_fmt) and 0 < num_slots <= DECODE_MAX_SLOTS
+    """Whether a forward of ``num_slots`` slots takes the decode path: `decodes` and at most `max_slots`."""
+    return decodes(weights.w13.fmt, activation_fmt) and 0 < num_slots <= max_slots(weights.w13.fmt)
 
 
-def workspace_buffers(num_slots: int, w13_rows: int, hidden: int) -> dict:
-    """The partial sums of both GEMMs for up to ``num_slots`` (capped at the decode bound)."""
-    slots = min(num_slots, DECODE_MAX_SLOTS)
+def max_slots(weight_fmt: QuantFormat) -> int:
+    """The decode path's bound on M * k for ``weight_fmt`` weights (see `WEIGHT_ONLY_DECODE_MAX_SLOTS`)."""
+    return WEIGHT_ONLY_DECODE_MAX_SLOTS if weight_fmt in DECODE_FORMATS else DECODE_MAX_SLOTS
+
+
+def workspace_buffers(num_slots: int, w13_rows: int, hidden: int, weight_fmt: QuantFormat) -> dict:
+    """The partial sums of both GEMMs for up to ``num_slots`` (capped at the decode bound of ``weight_fmt``)."""
+    slots = min(num_slots, max_slots(weight_fmt))
     return {
         "decode_part1": ((MAX_SPLITS, slots, w13_rows), torch.float32),
         "decode_part2": ((MAX_SPLITS, slots, hidden), torch.float32),
