@@ -51,7 +51,9 @@ MACHINES = {
         "ep2_deepseek-v3_fp8_block_triton_nvidia-h200-x2.json": ("records", None),
         "ep2_qwen3-30b-a3b_bf16_triton_flashinfer_cutlass_nvidia-h200-x2.json": ("records", None),
         "ep2_deepseek-v3_bf16_triton_batched_nvidia-h200-x2.json": ("records", None),
-    }, "measured on nvidia-h200 (2026-11-22; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
+        # session 12: the weight-only decode kernels' one-row FMA tiles (MXFP4 W4A16, NVFP4, MXFP8; M = 1, 4, 16)
+        "fp4_gemv_bench_weight_only_nvidia-h200.json": ("records", None),
+    }, "measured on nvidia-h200 (2026-11-22 and 2026-11-28; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
        "benchmarks/flashinfer_bench.py / benchmarks/ep_all_to_all.py"),
     "nvidia-h100": Machine("h100", {
         "bf16_qwen3_mixtral_nvidia-h100.json": ("records", None),
