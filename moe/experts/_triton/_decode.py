@@ -220,7 +220,7 @@ or.b32 $3, s, m;
 
 @triton.jit
 def _gemv_values(packed, SCALES: tl.constexpr, ASM: tl.constexpr):
-    """The unscaled float32 weights of one K step's bytes ``[BLOCK_N, G, 16]``: (low, high) -- fp4: the
+    """The unscaled float32 weights of one K step's bytes ``[1, BLOCK_N, G, 16]``: (low, high) -- fp4: the
     low and high nibbles' e2m1 values times 2**-14 (``ASM``: `_E2M1_F16X2`, else the same float16 bits
     from integer ops); MXFP8: the bytes as given, e4m3 values times 2**-8 (low only; the caller loads
     the high half-tile separately). All exact."""
@@ -242,8 +242,8 @@ def _gemv_values(packed, SCALES: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _gemv_load(w_ptrs, s_ptrs, ok, SCALES: tl.constexpr):
     """One K step's weight bytes ``[1, BLOCK_N, G, 16]`` (MXFP8: the groups' first and second 16; fp4: the
-    same bytes twice) and scale words ``[1, BLOCK_N, G]``; ``ok [1, 1, G]`` masks groups past K or the
-    split (read as 0)."""
+    same bytes twice) and scale words ``[1, BLOCK_N, G]``; ``ok [1, 1, G]`` masks the groups past K (read
+    as 0)."""
     lo = tl.load(w_ptrs, mask=ok[:, :, :, None], other=0)
     hi = lo
     if SCALES == _MXFP8:
@@ -253,7 +253,7 @@ def _gemv_load(w_ptrs, s_ptrs, ok, SCALES: tl.constexpr):
 
 @triton.jit
 def _gemv_step(acc, a_lo, a_hi, lo_bytes, hi_bytes, words, shifts, SCALES: tl.constexpr, ASM: tl.constexpr):
-    """``acc [BLOCK_M, BLOCK_N, G] += factor * (a_lo . w_lo + a_hi . w_hi)`` over each group's 16 + 16
+    """``acc [1, BLOCK_N, G] += factor * (a_lo . w_lo + a_hi . w_hi)`` over each group's 16 + 16
     elements: the products of exact unscaled weights (`_gemv_values`) summed per group in float32, then
     times the group's factors (`_gemm._fp4_factors`: scale times 2**14; MXFP8 the e8m0 scale times 2**8).
     One factor per group (MXFP4, MXFP8): one sum over the group's 32 products."""
@@ -278,7 +278,7 @@ def _gemv_k_loop(acc, acc_up, a_ptr, a_rows, row_ok, stride_am, w_base, stride_w
     """The one-row K loop (float32 FMAs): K steps ``k_first .. k_last - 1`` into ``acc [1, BLOCK_N, G]``.
     The weight bytes are addressed ``[1, BLOCK_N, G, 16]``, each thread's 16 contiguous bytes one row's
     group (one 16-byte load, one scale), and every tensor keeps that layout: no reshape, no layout change
-    of the weights; only the step's 64 activations are redistributed. One row: with more, Triton laid the
+    of the weights; only the step's BLOCK_K activations are redistributed. One row: with more, Triton laid the
     products out as the activations (the weights went through shared memory, the group sums across
     threads: 3x slower on an H200), so a program takes its rows one at a time (the launcher's check).
     Loads a step ahead (registers) measured slower (the bytes are carried one per register)."""
