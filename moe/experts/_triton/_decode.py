@@ -23,8 +23,8 @@ import triton.language as tl
 
 from moe.experts._triton._decode_fp8 import GROUP, fp8_k_loop
 from moe.experts._triton._gemm import (_FP8_BLOCK, _FP8_ROW, _MXFP8, _NVFP4, _activate, _dot, _e4m3_scaled,
-                                       _e8m0_factor, _fp4_factors, _fp4_half_tiles, _fp4_load, _fp4_scale_words,
-                                       _mxfp8_tile)
+                                       _e2m1_halves, _e8m0_factor, _fp4_factors, _fp4_half_tiles, _fp4_load,
+                                       _fp4_scale_words, _mxfp8_tile)
 from moe.experts._triton._lang import cdiv_, cumsum_, sum_
 
 # e2m1 codes of 4 bytes -> 8 bfloat16 values times the scale, 2 per register. The code's magnitude
@@ -219,22 +219,19 @@ or.b32 $3, s, m;
 
 
 @triton.jit
-def _gemv_values(packed, SCALES: tl.constexpr, ASM: tl.constexpr):
-    """The unscaled float32 weights of one K step's bytes ``[1, BLOCK_N, G, 16]``: (low, high) -- fp4: the
-    low and high nibbles' e2m1 values times 2**-14 (``ASM``: `_E2M1_F16X2`, else the same float16 bits
-    from integer ops); MXFP8: the bytes as given, e4m3 values times 2**-8 (low only; the caller loads
-    the high half-tile separately). All exact."""
+def _gemv_values(lo_bytes, hi_bytes, SCALES: tl.constexpr, ASM: tl.constexpr):
+    """The unscaled float32 weights of one K step ``[1, BLOCK_N, G, 16]``, exact: (elements j, elements
+    j + 16) of each group. fp4: the low and high nibbles of ``lo_bytes``, e2m1 values times 2**-14
+    (``ASM``: `_E2M1_F16X2`, else `_gemm._e2m1_halves`, the same float16 bits); MXFP8: ``lo_bytes`` and
+    ``hi_bytes``, the group's first and second 16 e4m3 codes, values times 2**-8."""
     if SCALES == _MXFP8:
-        low = _e4m3_scaled(packed, tl.float32)
-        high = low
-    elif ASM:
-        low, high = tl.inline_asm_elementwise(_E2M1_F16X2, "=r,=r,=r,=r,r", [packed],
-                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-        low, high = low.to(tl.float32), high.to(tl.float32)
+        low, high = _e4m3_scaled(lo_bytes, tl.float32), _e4m3_scaled(hi_bytes, tl.float32)
     else:
-        bits = packed.to(tl.int32)
-        low = (((bits & 0x08) << 12) | ((bits & 0x07) << 9)).to(tl.uint16).to(tl.float16, bitcast=True)
-        high = (((bits & 0x80) << 8) | ((bits & 0x70) << 5)).to(tl.uint16).to(tl.float16, bitcast=True)
+        if ASM:
+            low, high = tl.inline_asm_elementwise(_E2M1_F16X2, "=r,=r,=r,=r,r", [lo_bytes],
+                                                  dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        else:
+            low, high = _e2m1_halves(lo_bytes)
         low, high = low.to(tl.float32), high.to(tl.float32)
     return low, high
 
@@ -257,16 +254,15 @@ def _gemv_step(acc, a_lo, a_hi, lo_bytes, hi_bytes, words, shifts, SCALES: tl.co
     elements: the products of exact unscaled weights (`_gemv_values`) summed per group in float32, then
     times the group's factors (`_gemm._fp4_factors`: scale times 2**14; MXFP8 the e8m0 scale times 2**8).
     One factor per group (MXFP4, MXFP8): one sum over the group's 32 products."""
-    w_lo, w_hi = _gemv_values(lo_bytes, SCALES, ASM)
-    if SCALES == _MXFP8:
-        w_hi = _e4m3_scaled(hi_bytes, tl.float32)
-        factor = _e8m0_factor((words >> shifts) & 255) * 0.015625  # 2**-6: scale * 2**8
-        acc += sum_(a_lo * w_lo + a_hi * w_hi, 3) * factor
-    elif SCALES == _NVFP4:  # a scale per 16: the low and the high half-tile each have their own
+    w_lo, w_hi = _gemv_values(lo_bytes, hi_bytes, SCALES, ASM)
+    if SCALES == _NVFP4:  # a scale per 16: the low and the high half-tile each have their own
         f_lo, f_hi = _fp4_factors(words, shifts, SCALES)
         acc += sum_(a_lo * w_lo, 3) * f_lo + sum_(a_hi * w_hi, 3) * f_hi
     else:
-        factor, _ = _fp4_factors(words, shifts, SCALES)
+        if SCALES == _MXFP8:
+            factor = _e8m0_factor((words >> shifts) & 255) * 0.015625  # 2**-6: scale * 2**8
+        else:
+            factor, _ = _fp4_factors(words, shifts, SCALES)
         acc += sum_(a_lo * w_lo + a_hi * w_hi, 3) * factor
     return acc
 

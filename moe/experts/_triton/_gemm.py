@@ -100,11 +100,21 @@ def _fp4_factors(words, shifts, SCALES: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_scaled(bits, factor, dtype: tl.constexpr):
-    """float16 bit patterns of e2m1 values times 2**-14 (see `_mxfp4_half_tiles`), times ``factor``,
-    as ``dtype``: exact in float32, so the result is the dequantized weight rounded once."""
-    value = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    return (value * factor).to(dtype)
+def _e2m1_halves(packed):
+    """The low and the high nibbles of packed e2m1 bytes as float16 values times 2**-14, exact: a code's
+    three magnitude bits go to bits 9..11 of a float16 (exponent bits 10..11, top mantissa bit 9) and its
+    sign to bit 15, subnormals included (the decode kernels' `_E2M1_F16X2` PTX builds the same bits)."""
+    bits = packed.to(tl.int32)
+    low = (((bits & 0x08) << 12) | ((bits & 0x07) << 9)).to(tl.uint16).to(tl.float16, bitcast=True)
+    high = (((bits & 0x80) << 8) | ((bits & 0x70) << 5)).to(tl.uint16).to(tl.float16, bitcast=True)
+    return low, high
+
+
+@triton.jit
+def _e2m1_scaled(half, factor, dtype: tl.constexpr):
+    """`_e2m1_halves`' float16 values times ``factor``, as ``dtype``: exact in float32, so the result is
+    the dequantized weight rounded once."""
+    return (half.to(tl.float32) * factor).to(dtype)
 
 
 @triton.jit
@@ -129,15 +139,13 @@ def _fp4_half_tiles(w_ptrs, s_ptrs, shifts, group_ok, SCALES: tl.constexpr, dtyp
     ``w_ptrs [G, 16, BLOCK_N]`` address the packed bytes (G = BLOCK_K / 32 groups, 16 contiguous
     bytes each: vectorized loads), ``s_ptrs [G, 1, BLOCK_N]`` each group's scale word, ``shifts
     [G, 1, 1]`` the group's (first) byte in it, ``group_ok [G, 1, 1]`` the groups inside K. The scale
-    factors are computed once per (group, row) and broadcast over the group's 16 bytes in registers.
-    A code's three magnitude bits go to bits 9..11 of a float16 (exponent bits 10..11, top mantissa
-    bit 9) and its sign to bit 15: that float16 is the e2m1 value times 2**-14, subnormals included.
+    factors are computed once per (group, row) and broadcast over the group's 16 bytes in registers;
+    the codes become float16 values times 2**-14 first (`_e2m1_halves`).
     """
     packed, words = _fp4_load(w_ptrs, s_ptrs, group_ok, EVEN_K)
     factor_low, factor_high = _fp4_factors(words, shifts, SCALES)
-    packed = packed.to(tl.int32)
-    low = _e2m1_scaled(((packed & 0x08) << 12) | ((packed & 0x07) << 9), factor_low, dtype)
-    high = _e2m1_scaled(((packed & 0x80) << 8) | ((packed & 0x70) << 5), factor_high, dtype)
+    low, high = _e2m1_halves(packed)
+    low, high = _e2m1_scaled(low, factor_low, dtype), _e2m1_scaled(high, factor_high, dtype)
     return tl.reshape(low, (BLOCK_K // 2, BLOCK_N)), tl.reshape(high, (BLOCK_K // 2, BLOCK_N))
 
 

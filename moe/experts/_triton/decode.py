@@ -105,13 +105,14 @@ FP8_DECODE_CONFIGS = {
 }
 
 
-def _bucket(configs: dict, num_tokens: int) -> DecodeConfig:
-    return configs[max(m for m in configs if m <= max(num_tokens, 1))]
+def _bucket(configs: dict, key: float) -> DecodeConfig:
+    """The config of the largest key at or below ``key`` (the smallest key's below it)."""
+    return configs[max((k for k in configs if k <= key), default=min(configs))]
 
 
 def decode_config(rows_per_expert: float) -> DecodeConfig:
     """MXFP4 / NVFP4 / MXFP8 weights' config for ``rows_per_expert`` = slots / local experts."""
-    return DECODE_CONFIGS[max(r for r in DECODE_CONFIGS if r <= max(rows_per_expert, 0.0))]
+    return _bucket(DECODE_CONFIGS, rows_per_expert)
 
 
 def fp8_decode_config(num_tokens: int) -> DecodeConfig:
