@@ -37,10 +37,11 @@ from moe.tools.bench import backend_calls, build_weights, make_inputs, time_call
 BANDWIDTH_TBS = {"H100": 3.0, "H200": 4.2}
 # bits per weight: the code and its share of the block scale (8 bits per 32 or 16; fp8: 32 per 128 x 128)
 BITS = {"mxfp4": 4.25, "nvfp4": 4.5, "mxfp8": 8.25, "fp8_block": 8 + 32 / 128**2}
-# (block_n, block_k, splits, num_warps, num_stages, asm); FMA tiles: the H200 sweep's best of session 12
-# (benchmarks/results/fp4_gemv_decode_nvidia-h200.md) and neighbours; num_stages is unused there
-FMA_TILES = [(32, 128, 4, 4, 1, True), (32, 128, 8, 4, 1, True), (32, 64, 8, 2, 1, True), (64, 128, 4, 8, 1, True),
-             (64, 128, 4, 4, 1, True), (64, 256, 2, 4, 1, True), (32, 128, 2, 4, 1, True), (32, 128, 4, 4, 1, False)]
+# (block_n, block_k, splits, num_warps, num_stages, asm); FMA tiles: the H200 sweeps' best of session 13
+# (benchmarks/results/fp4_gemv_decode_nvidia-h200.md) and neighbours, each also with ``finish``; num_stages 1:
+# with more, the pipeliner's shared-memory copies made them slower (45.0 -> 47.1-52.3 us at M = 1)
+FMA_TILES = [(32, 128, 8, 4, 1, True), (32, 128, 4, 2, 1, True), (32, 64, 8, 2, 1, True), (32, 64, 4, 2, 1, True),
+             (64, 64, 4, 2, 1, True), (32, 128, 4, 4, 1, True), (64, 128, 4, 4, 1, True), (32, 128, 4, 4, 1, False)]
 DOT_TILES = [(32, 128, 1, 4, 3, True), (32, 128, 2, 4, 3, True), (64, 128, 1, 4, 3, True), (64, 128, 2, 4, 4, True),
              (32, 256, 2, 4, 3, True), (64, 256, 1, 8, 3, True), (16, 128, 2, 4, 4, True), (128, 128, 1, 8, 3, True),
              (64, 64, 4, 4, 4, True), (32, 128, 4, 4, 3, True), (128, 64, 2, 8, 4, True), (32, 128, 2, 4, 3, False),
@@ -48,12 +49,16 @@ DOT_TILES = [(32, 128, 1, 4, 3, True), (32, 128, 2, 4, 3, True), (64, 128, 1, 4,
 
 
 def parse_tiles(text: str) -> list[DecodeTile]:
-    """``n:k:splits:block_m:warps:stages`` tiles, comma-separated (block_m 1..8: float32 FMAs, else
-    tensor cores), all with the packed dequantization."""
+    """``n:k:splits:block_m:warps:stages[:finish]`` tiles, comma-separated (block_m 1..8: float32 FMAs, else
+    tensor cores; finish 1: the FMA tile applies the split epilogue itself), all with the PTX dequantization."""
     tiles = []
     for item in text.split(","):
-        n, k, splits, block_m, warps, stages = (int(v) for v in item.split(":"))
-        tiles.append(DecodeTile(n, k, splits, block_m, block_m >= 16, True, warps, stages))
+        fields = [int(v) for v in item.split(":")]
+        if len(fields) not in (6, 7):
+            raise SystemExit(f"--tiles: {item!r} is not n:k:splits:block_m:warps:stages[:finish]")
+        n, k, splits, block_m, warps, stages = fields[:6]
+        finish = len(fields) == 7 and fields[6] == 1
+        tiles.append(DecodeTile(n, k, splits, block_m, block_m >= 16, True, warps, stages, finish))
     return tiles
 
 
@@ -74,7 +79,8 @@ def candidates(tokens: int, only: list[DecodeTile] | None = None, quant: str = "
         return tiles + [DecodeTile(n, k, s, 16, True, False, w, st) for n, k, s, w, st in FP8_DOT_TILES]
     tiles = []
     if tokens <= 16:  # fp4 / MXFP8 FMA tiles take one row at a time (decode.py checks block_m == 1)
-        tiles += [DecodeTile(n, k, s, 1, False, asm, w, st) for n, k, s, w, st, asm in FMA_TILES]
+        tiles += [DecodeTile(n, k, s, 1, False, asm, w, st, finish) for n, k, s, w, st, asm in FMA_TILES
+                  for finish in (True, False)]
     # tensor-core tiles at every M, one token too: the swapped MMA pads activation rows, not weight rows
     tiles += [DecodeTile(n, k, s, 16, True, asm, w, st) for n, k, s, w, st, asm in DOT_TILES]
     return tiles
@@ -214,7 +220,8 @@ def table(rows) -> str:
 
 def _short(t: DecodeTile) -> str:
     kind = f"dot m{t.block_m}" if t.dot else f"fma m{t.block_m}"
-    return f"{kind} n{t.block_n} k{t.block_k} s{t.splits} w{t.num_warps} st{t.num_stages}{' asm' if t.asm else ''}"
+    return (f"{kind} n{t.block_n} k{t.block_k} s{t.splits} w{t.num_warps} st{t.num_stages}{' asm' if t.asm else ''}"
+            f"{' finish' if t.finish else ''}")
 
 
 if __name__ == "__main__":

@@ -88,8 +88,11 @@ def standard(quant, activation="silu", tokens=5, *, config=None, weight_only=Fal
         run_prepared(experts, prepared, torch.randn(tokens, p.hidden_size).to(p.dtype), make_topk(tokens, p))
 
 
-FMA_TILES = DecodeConfig(DecodeTile(32, 64, 2, 1, dot=False), DecodeTile(32, 64, 2, 1, dot=False))
+FMA_TILE = DecodeTile(32, 64, 2, 1, dot=False, finish=True)  # the split epilogue in the GEMMs (FINISH 1, 2)
+FMA_TILES = DecodeConfig(FMA_TILE, FMA_TILE)
 DOT_TILES = DecodeConfig(DecodeTile(32, 64, 1, 16, dot=True), DecodeTile(32, 64, 2, 16, dot=True))
+# split tensor-core tiles keep both epilogue launches (FMA tiles, one row per program, finish their own)
+DOT_SPLIT_TILES = DecodeConfig(DecodeTile(32, 64, 2, 16, dot=True), DecodeTile(32, 64, 2, 16, dot=True))
 
 
 def decode(tokens, config, activation="swiglu_oai", quant="mxfp4"):
@@ -143,7 +146,7 @@ SCENARIOS = {
     "fp8 block decode grouped dot relu2": lambda: decode(3, DOT_TILES, activation="relu2", quant="fp8_block"),
     "mxfp4 swiglu_oai bias": lambda: standard("mxfp4", "swiglu_oai", bias=True),
     "nvfp4 weight-only": lambda: standard("nvfp4", grouped=True),
-    "nvfp4 weight-only decode": lambda: decode(2, DOT_TILES, activation="silu", quant="nvfp4"),
+    "nvfp4 weight-only decode split": lambda: decode(2, DOT_SPLIT_TILES, activation="silu", quant="nvfp4"),
     "fp8 tensor weight-only": lambda: standard("fp8", weight_only=True),
     "fp8 row weight-only direct": lambda: standard("fp8_token", tokens=3, weight_only=True),
     "fp8 block weight-only": lambda: standard("fp8_block", "relu2", weight_only=True),
@@ -182,7 +185,7 @@ SWITCHES = {
     "moe.experts._triton._rows.combine_kernel": {"CHECK_LOCAL": BOTH},
     "moe.experts._triton._align.align_fused_kernel": {"HAS_MAP": BOTH},
     "moe.experts._triton._align.rank_kernel": {"HAS_MAP": BOTH},
-    "moe.experts._triton._decode.decode_gemm_kernel": {"DOT": BOTH, "GROUPED": BOTH, "FUSED": BOTH,
+    "moe.experts._triton._decode.decode_gemm_kernel": {"DOT": BOTH, "GROUPED": BOTH, "FUSED": BOTH, "FINISH": {0, 1, 2},
                                                        "SCALES": {QUANT_CODES[QuantFormat.MXFP4],
                                                                   QUANT_CODES[QuantFormat.NVFP4],
                                                                   QUANT_CODES[QuantFormat.MXFP8],

@@ -90,6 +90,48 @@ def test_decode_non_gated_without_bias(monkeypatch):
     check(make_problem("mxfp4", "relu2", E=8, k=2, H=64, I=96), 3, DecodeConfig(DOT_SPLIT, FMA), monkeypatch)
 
 
+@pytest.mark.parametrize("num_tokens,expert_map", [(1, None), (5, None), (5, (-1, 0, 1, -1, 2, 3, -1, 4))],
+                         ids=["one-token", "grouped", "expert-map"])
+def test_fma_tiles_finish_their_own_epilogue(num_tokens, expert_map, monkeypatch):
+    """Split-K FMA tiles: the last program to store a row's partial sums applies the epilogue
+    (`_decode._finish_if_last`), so neither epilogue launch runs (with an expert map GEMM2's does: a token
+    may have no expert here); the tickets are all 0 afterwards, and the output has the same bits as with
+    the epilogue launches (the weights without tickets)."""
+    import dataclasses
+    from dataclasses import replace
+
+    from moe.formats import DispatchShape
+    from moe.testing.triton_launches import record_launches
+    from moe.workspace import WorkspaceManager
+
+    p = gpt_oss_like(expert_map=expert_map)
+    finishing = replace(FMA, finish=True)
+    config = DecodeConfig(finishing, finishing)
+    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m: config)
+    experts = TritonExperts(p)
+    prepared = experts.prepare_weights(make_weights(p))
+    assert prepared.decode_tickets is not None and prepared.decode_tickets.dtype == torch.int32
+    x = torch.randn(num_tokens, p.hidden_size).to(torch.float16)
+    dispatched = Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=x, scale=None, fmt="none"),
+                            routed(num_tokens, p))
+
+    def run(weights):
+        shapes = experts.workspace_shapes(DispatchShape(dispatched.format, dispatched.num_rows))
+        with record_launches() as launched:
+            out = experts.apply(dispatched, weights, WorkspaceManager().take(shapes, experts.name)).out.clone()
+        return out, {r.kernel for r in launched}
+
+    finished, kernels = run(prepared)
+    want_epilogues = {"combine_splits_kernel"} if expert_map else set()
+    assert kernels & {"activate_splits_kernel", "combine_splits_kernel"} == want_epilogues
+    assert int(prepared.decode_tickets.count_nonzero()) == 0
+    launched, kernels = run(dataclasses.replace(prepared, decode_tickets=None))
+    assert {"activate_splits_kernel", "combine_splits_kernel"} <= kernels
+    assert torch.equal(finished, launched)
+    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m: DecodeConfig(FMA, FMA))  # finish=False
+    assert {"activate_splits_kernel", "combine_splits_kernel"} <= run(prepared)[1]
+
+
 def test_decode_tile_rejects_bad_values():
     with pytest.raises(MoEConfigError, match="splits must be in 1..8"):
         DecodeTile(splits=9)
@@ -97,6 +139,11 @@ def test_decode_tile_rejects_bad_values():
         DecodeTile(block_k=48)
     with pytest.raises(MoEConfigError, match="dot=True needs block_m >= 16"):
         DecodeTile(block_m=4, dot=True)
+    with pytest.raises(MoEConfigError, match=r"finish=True needs one-row FMA tiles: dot=False and block_m=1 "
+                                             r"\(got dot=True, block_m=16\)"):
+        DecodeTile(block_m=16, dot=True, finish=True)
+    with pytest.raises(MoEConfigError, match=r"\(got dot=False, block_m=2\)"):
+        DecodeTile(block_m=2, dot=False, finish=True)
 
 
 @pytest.mark.parametrize("quant", ["mxfp4", "nvfp4", "mxfp8"])
@@ -130,14 +177,18 @@ def test_weight_only_decode_path_taken_up_to_512_slots(monkeypatch):
     assert calls == [128]
 
 
-@pytest.mark.parametrize("rows_per_expert,dot,block_k", [(0.03, False, 128), (0.0625, False, 128), (0.125, False, 64),
-                                                         (0.5, False, 64), (1.0, True, 128), (2.0, True, 128)])
-def test_decode_config_by_rows_per_expert(rows_per_expert, dot, block_k):
-    """GPT-OSS-120B (k/E = 1/32) at M = 1, 4, 16, 64 and Qwen3-30B-A3B (1/16) at M = 1, 16: the buckets the
-    H200 sweep picked (FMA tiles below one row per expert, the tensor-core tile from one)."""
+@pytest.mark.parametrize("rows_per_expert,dot,block_k,finish", [
+    (0.03125, False, 128, (True, True)), (0.0625, False, 64, (True, True)), (0.125, False, 64, (False, False)),
+    (0.25, False, 64, (True, False)), (0.5, False, 64, (False, False)), (1.0, True, 128, (False, False)),
+    (2.0, True, 128, (False, False))])
+def test_decode_config_by_rows_per_expert(rows_per_expert, dot, block_k, finish):
+    """GPT-OSS-120B (k/E = 1/32) at M = 1, 2, 4, 16, 64 and Qwen3-30B-A3B (1/16) at M = 1, 4, 16: the buckets
+    the H200 sweeps picked (FMA tiles below one row per expert, finishing their own split epilogue where the
+    launches weigh most; the tensor-core tile from one row per expert)."""
     config = decode.decode_config(rows_per_expert)
     assert config.gemm1.dot is dot and config.gemm2.dot is dot
     assert config.gemm1.block_k == block_k
+    assert (config.gemm1.finish, config.gemm2.finish) == finish
     assert all(t.block_m == (16 if dot else 1) for t in (config.gemm1, config.gemm2))
 
 

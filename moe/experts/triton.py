@@ -29,6 +29,8 @@ Launch configs come from tuned tables (``python -m moe tune``) or a default (`_t
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from moe.errors import MoEConfigError
@@ -37,7 +39,7 @@ from moe.experts._triton.align import align_block_size
 from moe.experts._triton.align import workspace_buffers as align_buffers
 from moe.experts._triton.config import BLOCK_MS, ConfigTable
 from moe.experts._triton.decode import FP8_DECODE_FORMATS, decode_config, decode_experts, decodes, uses_decode
-from moe.experts._triton.decode import fp8_decode_config
+from moe.experts._triton.decode import decode_tickets, fp8_decode_config
 from moe.experts._triton.decode import workspace_buffers as decode_buffers
 from moe.experts._triton.gemm import DirectRows, SortedRows, grouped_gemm
 from moe.experts._triton.gemm_tma_a import sorted_tma_a_gemms, workspace_rows
@@ -92,7 +94,12 @@ class TritonExperts(Experts):
         table = ConfigTable.load(config_key(p, "standard", weights.device))
         expert_map = p.parallel.global_to_local(p.num_experts) if p.parallel.enabled else None
         weight_only = p.quant.is_quantized and activation_format(p, gpu_of(weights.device)) is QuantFormat.NONE
-        return prepare_triton_weights(weights, expert_map, table, weight_only=weight_only)
+        prepared = prepare_triton_weights(weights, expert_map, table, weight_only=weight_only)
+        if not decodes(p.quant.weight, QuantFormat.NONE if weight_only else p.quant.activation):
+            return prepared
+        n_out1 = prepared.w13.data.shape[1] // (2 if p.activation.is_gated else 1)
+        tickets = decode_tickets(p.quant.weight, n_out1, prepared.w2.data.shape[1], weights.device)
+        return dataclasses.replace(prepared, decode_tickets=tickets)
 
     def prepared_sizes(self, weights: TritonWeights) -> tuple[int, int, int]:
         return triton_sizes(weights)

@@ -143,6 +143,16 @@ def _types(record: LaunchRecord) -> str:
     return " ".join(t for _, t in record.signature)
 
 
+def sm80_variant(record: LaunchRecord) -> LaunchRecord:
+    """``record`` as an A100 would launch it: the FMA decode tiles' PTX, which converts from e4m3 (SM89+),
+    off (`decode.tile_asm`)."""
+    constexprs = dict(record.constexprs)
+    if record.name == "moe.experts._triton._decode.decode_gemm_kernel" and constexprs.get("ASM") and \
+            not constexprs.get("DOT"):
+        return replace(record, constexprs=tuple((n, False if n == "ASM" else v) for n, v in record.constexprs))
+    return record
+
+
 def runs_on_sm80(record: LaunchRecord) -> bool:
     """False where the launch needs SM89+ or SM90+: fp8 tensors (e4m3 tensor cores; an A100 gets fp8
     weights as uint8, weight-only) or a TMA descriptor."""
@@ -156,7 +166,8 @@ def compile_jobs(records) -> list[CompileJob]:
     original goes through sm90's frontend, where the faults above are found (a full compile costs ~20
     frontends: 0.4 s against 0.02 s). Where it `runs_on_sm80`, the GPU variant also goes through
     sm80's frontend (where Triton refuses what an arch lacks, e.g. e4m3), fully when it reads uint8
-    tensors: dequantization in registers, whose conversions lower per arch."""
+    tensors: dequantization in registers, whose conversions lower per arch (as `sm80_variant`: what an A100
+    would launch)."""
     jobs = {}
     for record in records:
         twin = bfloat16_twin(record)
@@ -164,8 +175,9 @@ def compile_jobs(records) -> list[CompileJob]:
             jobs[CompileJob(record, 90, full=False)] = None
         gpu = twin or record
         jobs[CompileJob(gpu, 90)] = None
-        if runs_on_sm80(gpu):
-            jobs[CompileJob(gpu, 80, full="*u8" in _types(gpu))] = None
+        a100 = sm80_variant(gpu)
+        if runs_on_sm80(a100):
+            jobs[CompileJob(a100, 80, full="*u8" in _types(a100))] = None
     return list(jobs)
 
 

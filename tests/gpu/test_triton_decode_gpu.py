@@ -8,12 +8,14 @@ kinds. All: CUDA-graph replay bit-equal to eager, no host sync."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import replace
 
 import pytest
 import torch
 
 from moe.experts._triton import decode
+from moe.experts._triton.decode import _gemm as _GEMM
 from moe.experts._triton.decode import DecodeConfig, DecodeTile, packed_dequantization
 from moe.experts.reference import WeightOnlyReferenceExperts
 from moe.formats import ActivationFormat, Dispatched
@@ -152,7 +154,9 @@ def run_nvfp4(p, tokens, tiles, monkeypatch, d=None, weights=None):
     monkeypatch.setattr("moe.experts.triton.decode_config", lambda m: DecodeConfig(*tiles))
     launches = []
     real = decode._gemm
-    monkeypatch.setattr(decode, "_gemm", lambda *a: launches.append(a[-1]) or real(*a))
+    # the launch's asm argument, read by the unpatched launcher's signature (``real`` may be a patch already)
+    asm = lambda *a, **k: inspect.signature(_GEMM).bind(*a, **k).arguments["asm"]  # noqa: E731
+    monkeypatch.setattr(decode, "_gemm", lambda *a, **k: launches.append(asm(*a, **k)) or real(*a, **k))
     weights = nvfp4_weights(p) if weights is None else weights
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(weights)

@@ -6,7 +6,8 @@ weight slice once and applies it to every slot routed to the expert (all of them
 a time), then writes fp32 partial sums ``part[split, slot, n]``. A second tiny launch sums the
 splits in a fixed order (deterministic: no float atomics) and applies the epilogue: bias and the
 activation after GEMM1, bias, router weight and the sum over k after GEMM2. With one split GEMM1
-applies its epilogue itself and skips that launch.
+applies its epilogue itself and skips that launch; with ``FINISH`` the last program to store a row's
+partials does the launch's work for that row and N tile (`_finish_if_last`), and neither launch runs.
 
 Expert groups (``GROUPED``): the alignment with BLOCK_M = 1 lists the slots by expert without
 padding; program g takes the g-th expert that has any slot (an in-register scan of the counts), so
@@ -68,6 +69,10 @@ fma.rn.bf16x2 $3, s, HI1, negz;
 """
 _E2M1_BF16X2 = tl.constexpr(_E2M1_PTX.replace("HI0", "$5").replace("HI1", "$6"))
 _E2M1_BF16X2_SPLIT = tl.constexpr(_E2M1_PTX.replace("HI0", "$7").replace("HI1", "$8"))
+
+# the decode GEMM's FINISH: none (the epilogue launches, or one fused split), GEMM1's or GEMM2's (`_finish_if_last`)
+FINISH_NONE, FINISH_ACTIVATE, FINISH_COMBINE = 0, 1, 2
+_FINISH_ACTIVATE = tl.constexpr(FINISH_ACTIVATE)
 
 # NVFP4's e4m3 scales reach the PTX as scale * 2**NVFP4_SCALE_BIAS: normal and finite in bf16 for every
 # code (2**-9 .. 448 -> 2**109 .. < 2**127), and the products with the e2m1 values times 2**-126 are
@@ -187,43 +192,44 @@ def _k_loop(acc, acc_up, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wn, ws
     return acc, acc_up
 
 
-# e2m1 codes of 4 bytes -> their 8 values times 2**-14 as float16 bits, exact (no scale): the magnitude
-# goes to bits 9..11 (exponent 10..11, top mantissa bit 9), the sign to bit 15; code 1 is a float16
-# subnormal, 2**-15. prmt spreads bytes 0..1 (then 2..3) to the halves' bits 8..15 as in `_E2M1_PTX`.
+# e2m1 codes of 4 bytes -> their 8 values times 2**-6 as float16, exact (no scale): each code becomes an e4m3
+# byte -- its three magnitude bits to bits 2..4 (exponent bits 0..1, top mantissa bit), its sign to bit 7, which
+# reads as the value times 2**-6 (code 1 an e4m3 subnormal, 2**-7) -- and cvt widens the bytes two at a time.
+# 9 logic ops and 4 conversions per 8 codes, where building the float16 bits directly took 20 logic ops.
+# Byte i's low nibble lands in element i of $0/$1 (two per register), its high nibble in element i of $2/$3.
 _E2M1_F16X2 = tl.constexpr("""
 {
-.reg .b32 t<2>, s, m, zero;
-mov.b32 zero, 0;
-prmt.b32 t0, $4, zero, 0x1404;
-prmt.b32 t1, $4, zero, 0x3424;
-shl.b32 s, t0, 4;
-shl.b32 m, t0, 1;
-and.b32 s, s, 0x80008000;
-and.b32 m, m, 0x0E000E00;
-or.b32 $0, s, m;
-shl.b32 s, t1, 4;
-shl.b32 m, t1, 1;
-and.b32 s, s, 0x80008000;
-and.b32 m, m, 0x0E000E00;
-or.b32 $1, s, m;
-shr.b32 m, t0, 3;
-and.b32 s, t0, 0x80008000;
-and.b32 m, m, 0x0E000E00;
-or.b32 $2, s, m;
-shr.b32 m, t1, 3;
-and.b32 s, t1, 0x80008000;
-and.b32 m, m, 0x0E000E00;
-or.b32 $3, s, m;
+.reg .b32 a, b, lo, hi;
+.reg .b16 l0, l1, h0, h1;
+shl.b32 a, $4, 4;
+shl.b32 b, $4, 2;
+and.b32 a, a, 0x80808080;
+and.b32 b, b, 0x1C1C1C1C;
+or.b32 lo, a, b;
+shr.b32 b, $4, 2;
+and.b32 a, $4, 0x80808080;
+and.b32 b, b, 0x1C1C1C1C;
+or.b32 hi, a, b;
+mov.b32 {l0, l1}, lo;
+mov.b32 {h0, h1}, hi;
+cvt.rn.f16x2.e4m3x2 $0, l0;
+cvt.rn.f16x2.e4m3x2 $1, l1;
+cvt.rn.f16x2.e4m3x2 $2, h0;
+cvt.rn.f16x2.e4m3x2 $3, h1;
 }
 """)
+E2M1_F16X2_UNIT = 2.0**-6  # the factor `_E2M1_F16X2`'s values carry
+# 2**-14 / 2**-6: `_gemm._fp4_factors` undo `_gemm._e2m1_halves`' 2**-14; times this they undo the PTX's 2**-6
+_ASM_TO_INT_UNIT = tl.constexpr(2.0**-8)
 
 
 @triton.jit
 def _gemv_values(lo_bytes, hi_bytes, SCALES: tl.constexpr, ASM: tl.constexpr):
     """The unscaled float32 weights of one K step ``[1, BLOCK_N, G, 16]``, exact: (elements j, elements
     j + 16) of each group. fp4: the low and high nibbles of ``lo_bytes``, e2m1 values times 2**-14
-    (``ASM``: `_E2M1_F16X2`, else `_gemm._e2m1_halves`, the same float16 bits); MXFP8: ``lo_bytes`` and
-    ``hi_bytes``, the group's first and second 16 e4m3 codes, values times 2**-8."""
+    (`_gemm._e2m1_halves`) or, with ``ASM``, times 2**-6 (`_E2M1_F16X2`; `_gemv_step` scales its factors
+    to match); MXFP8: ``lo_bytes`` and ``hi_bytes``, the group's first and second 16 e4m3 codes, values
+    times 2**-8."""
     if SCALES == _MXFP8:
         low, high = _e4m3_scaled(lo_bytes, tl.float32), _e4m3_scaled(hi_bytes, tl.float32)
     else:
@@ -257,12 +263,16 @@ def _gemv_step(acc, a_lo, a_hi, lo_bytes, hi_bytes, words, shifts, SCALES: tl.co
     w_lo, w_hi = _gemv_values(lo_bytes, hi_bytes, SCALES, ASM)
     if SCALES == _NVFP4:  # a scale per 16: the low and the high half-tile each have their own
         f_lo, f_hi = _fp4_factors(words, shifts, SCALES)
+        if ASM:
+            f_lo, f_hi = f_lo * _ASM_TO_INT_UNIT, f_hi * _ASM_TO_INT_UNIT
         acc += sum_(a_lo * w_lo, 3) * f_lo + sum_(a_hi * w_hi, 3) * f_hi
     else:
         if SCALES == _MXFP8:
             factor = _e8m0_factor((words >> shifts) & 255) * 0.015625  # 2**-6: scale * 2**8
         else:
             factor, _ = _fp4_factors(words, shifts, SCALES)
+            if ASM:
+                factor = factor * _ASM_TO_INT_UNIT
         acc += sum_(a_lo * w_lo + a_hi * w_hi, 3) * factor
     return acc
 
@@ -270,14 +280,18 @@ def _gemv_step(acc, a_lo, a_hi, lo_bytes, hi_bytes, words, shifts, SCALES: tl.co
 @triton.jit
 def _gemv_k_loop(acc, acc_up, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wn, ws_base, stride_wsn,
                  stride_wsk, offs_n, N, K, k_first, k_last,
-                 GATED: tl.constexpr, ASM: tl.constexpr, SCALES: tl.constexpr, BLOCK_K: tl.constexpr):
+                 GATED: tl.constexpr, ASM: tl.constexpr, SCALES: tl.constexpr, BLOCK_K: tl.constexpr,
+                 STAGES: tl.constexpr):
     """The one-row K loop (float32 FMAs): K steps ``k_first .. k_last - 1`` into ``acc [1, BLOCK_N, G]``.
     The weight bytes are addressed ``[1, BLOCK_N, G, 16]``, each thread's 16 contiguous bytes one row's
     group (one 16-byte load, one scale), and every tensor keeps that layout: no reshape, no layout change
     of the weights; only the step's BLOCK_K activations are redistributed. One row: with more, Triton laid the
     products out as the activations (the weights went through shared memory, the group sums across
     threads: 3x slower on an H200), so a program takes its rows one at a time (the launcher's check).
-    Loads a step ahead (registers) measured slower (the bytes are carried one per register)."""
+    ``STAGES`` > 1: Triton's pipeliner copies the loads of the next STAGES - 1 steps into shared memory
+    ahead (cp.async; without the explicit `tl.range` stages it leaves loads that feed no MMA
+    unpipelined), so each program keeps more than one step's bytes in flight. Loads a step ahead into
+    registers instead measured slower (the bytes are carried one per register)."""
     if SCALES == _MXFP8:
         group_bytes = 32
     else:
@@ -290,7 +304,7 @@ def _gemv_k_loop(acc, acc_up, a_ptr, a_rows, row_ok, stride_am, w_base, stride_w
     w_ptrs = w_base + offs_n[None, :, None, None] * stride_wn + (k_first * step_bytes + g4 * group_bytes + j4)
     s_base = ws_base + offs_n[None, :, None] * stride_wsn
     a_ptrs = a_ptr + a_rows[:, None, None, None] * stride_am + (k_first * BLOCK_K + g4 * 32 + j4)
-    for kk in range(k_first, k_last):
+    for kk in tl.range(k_first, k_last, num_stages=STAGES):
         ok = kk * G + g3 < K // 32
         s_ptrs, shifts = _fp4_scale_words(s_base, kk * G + g3, stride_wsk, SCALES)
         a_ok = row_ok[:, None, None, None] & ok[:, :, :, None]
@@ -330,12 +344,14 @@ def _group(g, ids_ptr, map_ptr, counts_ptr, ends_ptr, num_local,
 @triton.jit(do_not_specialize=["num_local"])
 def decode_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, wg_ptr, bias_ptr, out_ptr, part_ptr, ids_ptr, map_ptr, counts_ptr, ends_ptr, sorted_ptr,
+    tickets_ptr, topk_w_ptr,
     num_local, N, K, stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be,
     stride_om, stride_ps, stride_pm, alpha, beta, limit,
     GROUPED: tl.constexpr, HAS_MAP: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
-    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, FUSED: tl.constexpr, SPLITS: tl.constexpr,
+    ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, FUSED: tl.constexpr, FINISH: tl.constexpr,
+    TOP_K: tl.constexpr, SPLITS: tl.constexpr,
     E_PAD: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr,
-    SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
 ):
     expert, start, count = _group(tl.program_id(1), ids_ptr, map_ptr, counts_ptr, ends_ptr, num_local,
                                   GROUPED, HAS_MAP, E_PAD)
@@ -378,7 +394,7 @@ def decode_gemm_kernel(
                 acc = tl.full([BLOCK_M, BLOCK_N, BLOCK_K // 32], 0, tl.float32)
                 acc, acc_up = _gemv_k_loop(acc, acc, a_ptr, slots // A_ROW_DIV, row_ok, stride_am, w_base,
                                            stride_wn, ws_base, stride_wsn, stride_wsk, offs_n, N, K, k_first,
-                                           k_last, GATED, ASM, SCALES, BLOCK_K)
+                                           k_last, GATED, ASM, SCALES, BLOCK_K, STAGES)
                 acc, acc_up = sum_(acc, 2), sum_(acc_up, 2)
         if SCALES == _NVFP4:  # the expert's global scale factors out of the sum over K (and the splits)
             global_scale = tl.load(wg_ptr + expert)
@@ -398,14 +414,19 @@ def decode_gemm_kernel(
             tl.store(p_ptrs, acc, mask=mask)
             if GATED:
                 tl.store(p_ptrs + N, acc_up, mask=mask)
+            if FINISH != 0:  # the last program to arrive at the row's epilogue applies it (one row: BLOCK_M == 1)
+                _finish_if_last(sum_(slots, 0), expert, tickets_ptr, part_ptr, bias_ptr, topk_w_ptr, ids_ptr,
+                                map_ptr, out_ptr, N, stride_ps, stride_pm, stride_be, stride_om, alpha, beta, limit,
+                                GATED, ACTIVATION, HAS_BIAS, FINISH, TOP_K, SPLITS, BLOCK_N)
 
 
 @triton.jit
 def _split_sum(p_ptrs, stride_ps, mask, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """The splits' partial sums at ``p_ptrs``, added in split order (deterministic)."""
+    """The splits' partial sums at ``p_ptrs``, added in split order (deterministic). Through L2 (``.cg``):
+    a finishing program reads partials other SMs stored in the same launch."""
     total = tl.full([BLOCK], 0, tl.float32)
     for s in tl.static_range(SPLITS):
-        total += tl.load(p_ptrs + s * stride_ps, mask=mask, other=0.0)
+        total += tl.load(p_ptrs + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
     return total
 
 
@@ -418,17 +439,10 @@ def _local_expert(ids_ptr, map_ptr, slot, HAS_MAP: tl.constexpr):
 
 
 @triton.jit
-def activate_splits_kernel(part_ptr, bias_ptr, ids_ptr, map_ptr, out_ptr, N, stride_ps, stride_pm, stride_be,
-                           stride_om, alpha, beta, limit,
-                           GATED: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           HAS_MAP: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """GEMM1's epilogue: ``out[slot] = act(sum of the splits + bias)`` for slots whose expert is here."""
-    slot = tl.program_id(0).to(tl.int64)
-    expert = _local_expert(ids_ptr, map_ptr, slot, HAS_MAP)
-    if expert < 0:
-        return
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < N
+def _activated(part_ptr, bias_ptr, slot, expert, cols, ok, N, stride_ps, stride_pm, stride_be, alpha, beta, limit,
+               GATED: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """GEMM1's epilogue on columns ``cols`` of ``slot``: ``act(sum of the splits + bias)``."""
     p_ptrs = part_ptr + slot * stride_pm + cols
     gate = _split_sum(p_ptrs, stride_ps, ok, SPLITS, BLOCK)
     up = gate
@@ -438,20 +452,15 @@ def activate_splits_kernel(part_ptr, bias_ptr, ids_ptr, map_ptr, out_ptr, N, str
         gate += tl.load(bias_ptr + expert * stride_be + cols, mask=ok, other=0.0)
         if GATED:
             up += tl.load(bias_ptr + expert * stride_be + N + cols, mask=ok, other=0.0)
-    out = _activate(gate, up, ACTIVATION, alpha, beta, limit)
-    tl.store(out_ptr + slot * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+    return _activate(gate, up, ACTIVATION, alpha, beta, limit)
 
 
 @triton.jit
-def combine_splits_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, map_ptr, out_ptr, H, stride_ps, stride_pm,
-                          stride_be, stride_om,
-                          TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr,
-                          SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """GEMM2's epilogue: ``out[t] = sum_j weight[t, j] * (sum of the splits of slot t*k+j + bias)``
-    over the slots whose expert is here, in a fixed order."""
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < H
+def _combined(part_ptr, bias_ptr, weights_ptr, ids_ptr, map_ptr, token, cols, ok, stride_ps, stride_pm, stride_be,
+              TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, SPLITS: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """GEMM2's epilogue on columns ``cols`` of ``token``: ``sum_j weight[token, j] * (sum of the splits of
+    slot token*k+j + bias)`` over the slots whose expert is here, in a fixed order."""
     acc = tl.full([BLOCK], 0, tl.float32)
     for j in tl.static_range(TOP_K):
         slot = token * TOP_K + j
@@ -461,4 +470,70 @@ def combine_splits_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, map_ptr, out
         if HAS_BIAS:
             y += tl.load(bias_ptr + expert * stride_be + cols, mask=here, other=0.0)
         acc += tl.load(weights_ptr + slot) * y
+    return acc
+
+
+@triton.jit
+def _finish_if_last(slot, expert, tickets_ptr, part_ptr, bias_ptr, weights_ptr, ids_ptr, map_ptr, out_ptr, N,
+                    stride_ps, stride_pm, stride_be, stride_om, alpha, beta, limit,
+                    GATED: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, FINISH: tl.constexpr,
+                    TOP_K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The epilogue launches' work, done by whichever program stores the last partial sums it needs: a
+    ticket per (output row, N tile) counts the arrivals -- GEMM1 (``FINISH_ACTIVATE``) the row's SPLITS
+    programs, GEMM2 (``FINISH_COMBINE``) those of the token's TOP_K slots (every expert local) -- and the
+    last one sums the partials in the fixed order of the epilogue launches (the same bits) and puts its
+    ticket back to 0 for the next launch. ``slot`` is a scalar (one-row programs), so the ticket is one
+    atomic whose old value every thread of the program sees; the barrier before it orders all their
+    partial-sum stores before its release."""
+    tile = tl.program_id(0) // SPLITS
+    n_tiles = tl.num_programs(0) // SPLITS
+    if FINISH == _FINISH_ACTIVATE:
+        row = slot
+        arrivals = SPLITS
+    else:
+        row = slot // TOP_K
+        arrivals = SPLITS * TOP_K
+    ticket = tickets_ptr + row * n_tiles + tile
+    tl.debug_barrier()
+    if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
+        tl.store(ticket, 0)
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        if FINISH == _FINISH_ACTIVATE:
+            out = _activated(part_ptr, bias_ptr, slot, expert, cols, ok, N, stride_ps, stride_pm, stride_be,
+                             alpha, beta, limit, GATED, ACTIVATION, HAS_BIAS, SPLITS, BLOCK_N)
+        else:
+            out = _combined(part_ptr, bias_ptr, weights_ptr, ids_ptr, map_ptr, row, cols, ok, stride_ps, stride_pm,
+                            stride_be, TOP_K, HAS_BIAS, False, SPLITS, BLOCK_N)
+        tl.store(out_ptr + row * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def activate_splits_kernel(part_ptr, bias_ptr, ids_ptr, map_ptr, out_ptr, N, stride_ps, stride_pm, stride_be,
+                           stride_om, alpha, beta, limit,
+                           GATED: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           HAS_MAP: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """GEMM1's epilogue launch: ``out[slot] = act(sum of the splits + bias)`` for slots whose expert is here."""
+    slot = tl.program_id(0).to(tl.int64)
+    expert = _local_expert(ids_ptr, map_ptr, slot, HAS_MAP)
+    if expert < 0:
+        return
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    out = _activated(part_ptr, bias_ptr, slot, expert, cols, ok, N, stride_ps, stride_pm, stride_be, alpha, beta,
+                     limit, GATED, ACTIVATION, HAS_BIAS, SPLITS, BLOCK)
+    tl.store(out_ptr + slot * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def combine_splits_kernel(part_ptr, bias_ptr, weights_ptr, ids_ptr, map_ptr, out_ptr, H, stride_ps, stride_pm,
+                          stride_be, stride_om,
+                          TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr,
+                          SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """GEMM2's epilogue launch: `_combined` on a block of columns of one token."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    acc = _combined(part_ptr, bias_ptr, weights_ptr, ids_ptr, map_ptr, token, cols, ok, stride_ps, stride_pm,
+                    stride_be, TOP_K, HAS_BIAS, HAS_MAP, SPLITS, BLOCK)
     tl.store(out_ptr + token * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)

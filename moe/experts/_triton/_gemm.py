@@ -103,7 +103,7 @@ def _fp4_factors(words, shifts, SCALES: tl.constexpr):
 def _e2m1_halves(packed):
     """The low and the high nibbles of packed e2m1 bytes as float16 values times 2**-14, exact: a code's
     three magnitude bits go to bits 9..11 of a float16 (exponent bits 10..11, top mantissa bit 9) and its
-    sign to bit 15, subnormals included (the decode kernels' `_E2M1_F16X2` PTX builds the same bits)."""
+    sign to bit 15, subnormals included (the decode kernels' `_E2M1_F16X2` PTX gives the values times 2**-6)."""
     bits = packed.to(tl.int32)
     low = (((bits & 0x08) << 12) | ((bits & 0x07) << 9)).to(tl.uint16).to(tl.float16, bitcast=True)
     high = (((bits & 0x80) << 8) | ((bits & 0x70) << 5)).to(tl.uint16).to(tl.float16, bitcast=True)

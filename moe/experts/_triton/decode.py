@@ -15,10 +15,14 @@ streaming and reads each weight byte once per expert hit::
               (fp8: the 16-bit intermediate quantized inside the GEMM likewise)
     combine   out[t] = sum_j weight[t, j] * (sum over splits of slot t*k+j + b2)
 
-Split-K partials are summed by a second launch in split order rather than by float atomics: the
-result is bit-for-bit reproducible (the experts declare ``deterministic``), and the partials are
-tiny next to the weights (slots x N x splits fp32, mostly in L2). Everything stays on the GPU,
-shapes depend on M only: CUDA-graph capturable.
+Split-K partials are summed in split order rather than by float atomics: the result is bit-for-bit
+reproducible (the experts declare ``deterministic``), and the partials are tiny next to the weights
+(slots x N x splits fp32, mostly in L2). By a second launch (act, combine), or, for ``finish`` tiles,
+by the GEMM's own last program per output row and N tile: a ticket (an int32 counter per row and tile,
+`TritonWeights.decode_tickets`) counts the programs that stored their partials, and the one that takes
+the last ticket sums them in the same order and resets it. That saves both epilogue launches where they
+weigh (one token); the fence each ticket costs outweighs them where many programs run. Everything stays
+on the GPU, shapes depend on M only: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -54,9 +58,12 @@ class DecodeTile:
     ``K / splits``. ``dot``: tensor cores (block_m >= 16) or float32 FMAs (few rows). ``asm`` (fp4 on a
     GPU): PTX dequantization -- with ``dot`` the packed bf16x2 one where `packed_dequantization` holds
     (bfloat16 activations; NVFP4 with any e4m3 scale, MXFP4 with scales <= 2), without it the exact
-    unscaled float16 one (`_decode._E2M1_F16X2`, any activation dtype); else exact integer and float32
+    unscaled float16 one (`_decode._E2M1_F16X2`, any activation dtype, SM89+); else exact integer and float32
     math. fp8 weights: ``block_k`` divides 128, the pieces a 128-column K step is consumed in (``asm``
-    unused)."""
+    unused). ``finish`` (one-row FMA tiles): the last program to store a row's partial sums applies the
+    split epilogue (`_decode._finish_if_last`) instead of an epilogue launch -- worth it where the launches
+    dominate (GPT-OSS-120B MXFP4 at M = 1 on an H200: 43.0 against 45.3 us, one tile), not where many
+    programs each pay the ticket's fence (M = 16: 464 against 414)."""
 
     block_n: int = 32
     block_k: int = 128
@@ -66,6 +73,7 @@ class DecodeTile:
     asm: bool = True
     num_warps: int = 4
     num_stages: int = 3
+    finish: bool = False
 
     def __post_init__(self):
         if not 1 <= self.splits <= MAX_SPLITS:
@@ -74,6 +82,9 @@ class DecodeTile:
             raise MoEConfigError(f"block_k must be a multiple of 32, the MXFP4 group (got {self.block_k})")
         if self.dot and self.block_m < 16:
             raise MoEConfigError(f"dot=True needs block_m >= 16 (got {self.block_m}); use dot=False for fewer rows")
+        if self.finish and (self.dot or self.block_m != 1):
+            raise MoEConfigError(f"finish=True needs one-row FMA tiles: dot=False and block_m=1 (got dot={self.dot}, "
+                                 f"block_m={self.block_m})")
 
 
 @dataclass(frozen=True)
@@ -84,12 +95,21 @@ class DecodeConfig:
 
 # MXFP4 / NVFP4 / MXFP8 weight-only, by the slots per local expert (M * k / E: how many rows each expert hit
 # multiplies), the nearest bucket at or below: the fastest of benchmarks/mxfp4_decode.py's sweeps on an
-# H200 (benchmarks/results/fp4_gemv_decode_nvidia-h200.md; GPT-OSS-120B M = 1, 4, 16, 64 and Qwen3-30B-A3B
-# M = 1, 16, MXFP4, NVFP4 and MXFP8). Below one row per expert the FMA tiles, one row at a time, win (GPT-OSS
-# up to M = 16, Qwen3 at M = 1); from one row per expert the tensor-core tile (Qwen3 at M = 16, GPT-OSS at 64).
+# H200 (benchmarks/results/fp4_gemv_decode_nvidia-h200.md: GPT-OSS-120B MXFP4 at M = 1, 2, 4, 16, 64 and
+# Qwen3-30B-A3B NVFP4 at M = 1, 4, 16). Below one row per expert the FMA tiles, one row at a time, win: with
+# the split epilogue in the GEMMs (``finish``) where the launches weigh most (GPT-OSS up to M = 3, Qwen3's GEMM1
+# at M = 4), GEMM2's tiles two 16-byte groups per thread (32 x 128 on 2 warps); from one row per expert the
+# tensor-core tile (Qwen3 at M = 16, GPT-OSS at 64).
+_FMA = dict(block_m=1, dot=False, asm=True, num_stages=1)
 DECODE_CONFIGS = {
-    0.0: DecodeConfig(DecodeTile(32, 128, 4, 1, False, True, 4, 1), DecodeTile(32, 128, 4, 1, False, True, 4, 1)),
-    0.1: DecodeConfig(DecodeTile(32, 64, 8, 1, False, True, 2, 1), DecodeTile(32, 64, 8, 1, False, True, 2, 1)),
+    0.0: DecodeConfig(DecodeTile(32, 128, 8, num_warps=4, finish=True, **_FMA),
+                      DecodeTile(32, 128, 4, num_warps=2, finish=True, **_FMA)),
+    0.05: DecodeConfig(DecodeTile(32, 64, 8, num_warps=2, finish=True, **_FMA),
+                       DecodeTile(32, 128, 4, num_warps=2, finish=True, **_FMA)),
+    0.1: DecodeConfig(DecodeTile(32, 64, 8, num_warps=2, **_FMA), DecodeTile(32, 128, 4, num_warps=2, **_FMA)),
+    0.25: DecodeConfig(DecodeTile(32, 64, 4, num_warps=2, finish=True, **_FMA),
+                       DecodeTile(64, 64, 4, num_warps=2, **_FMA)),
+    0.5: DecodeConfig(DecodeTile(32, 64, 4, num_warps=2, **_FMA), DecodeTile(32, 128, 4, num_warps=2, **_FMA)),
     1.0: DecodeConfig(DecodeTile(64, 128, 1, 16, True, True, 4, 3), DecodeTile(64, 128, 1, 16, True, True, 4, 3)),
 }
 
@@ -151,6 +171,20 @@ def workspace_buffers(num_slots: int, w13_rows: int, hidden: int, weight_fmt: Qu
     }
 
 
+# the narrowest N tile whose GEMMs finish their own epilogue (`_finishes`): the tickets are sized for it
+TICKET_BLOCK_N = 32
+
+
+def decode_tickets(weight_fmt: QuantFormat, n_out1: int, hidden: int, device) -> torch.Tensor:
+    """The epilogue tickets of one layer's decode GEMMs (`TritonWeights.decode_tickets`): a counter per
+    (slot, N tile of GEMM1's ``n_out1`` columns) or (token, N tile of the ``hidden`` ones), up to the decode
+    bound and N tiles of `TICKET_BLOCK_N`. Per layer, not in the workspace: they must stay 0 between launches,
+    which the workspace, shared and rewritten by other buffers, does not keep. Both GEMMs use them in turn (a
+    launch leaves them 0), so concurrent forwards of one layer on two streams would need two."""
+    tiles = cdiv(max(n_out1, hidden), TICKET_BLOCK_N)
+    return torch.zeros(max_slots(weight_fmt) * tiles, dtype=torch.int32, device=device)
+
+
 def packed_dequantization(weights: TritonWeights, x: torch.Tensor) -> bool:
     """Whether the decode GEMMs may dequantize with the packed bf16x2 PTX (a tile's ``asm`` then decides):
     bfloat16 activations on a GPU (the interpreter runs no PTX), and weights it is exact for -- NVFP4 with
@@ -160,11 +194,19 @@ def packed_dequantization(weights: TritonWeights, x: torch.Tensor) -> bool:
     return exact and x.dtype == torch.bfloat16 and x.is_cuda
 
 
+def converts_e4m3(device: torch.device) -> bool:
+    """Whether ``device`` has PTX's cvt from e4m3 (SM89+), which the FMA tiles' e2m1 PTX ends in."""
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def tile_asm(tile: DecodeTile, weights: TritonWeights, x: torch.Tensor) -> bool:
-    """Whether ``tile``'s GEMMs dequantize fp4 with PTX (see `DecodeTile`): never in the interpreter."""
+    """Whether ``tile``'s GEMMs dequantize fp4 with PTX (see `DecodeTile`): never in the interpreter; FMA
+    tiles on SM89+ (`converts_e4m3`; an A100 takes their integer path)."""
     if not tile.asm or weights.w13.fmt not in (QuantFormat.MXFP4, QuantFormat.NVFP4):
         return False
-    return packed_dequantization(weights, x) if tile.dot else x.is_cuda
+    if tile.dot:
+        return packed_dequantization(weights, x)
+    return x.is_cuda and converts_e4m3(x.device)
 
 
 def _activation_args(activation: Activation | None) -> tuple[float, float, float]:
@@ -196,10 +238,18 @@ def _routing(ids: torch.Tensor, weights: TritonWeights, num_local: int, workspac
                     min(slots, num_local), True, num_local)
 
 
-def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor, part: torch.Tensor, routing: _Routing,
-          activation: Activation | None, a_row_div: int, tile: DecodeTile, asm: bool) -> None:
+def _finishes(tile: DecodeTile, rows: int, n_out: int, tickets: torch.Tensor | None) -> bool:
+    """Whether a GEMM of ``tile`` applies its split epilogue itself (`_decode._finish_if_last`): a ``finish``
+    tile (one-row programs: the ticket is a scalar atomic) and a ticket for each of ``rows`` x its N tiles."""
+    return tile.finish and tickets is not None and rows * cdiv(n_out, tile.block_n) <= tickets.numel()
+
+
+def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor | None, part: torch.Tensor, routing: _Routing,
+          activation: Activation | None, a_row_div: int, tile: DecodeTile, asm: bool, finish: int = 0,
+          tickets: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None, top_k: int = 1) -> None:
     """One decode GEMM: partial sums into ``part`` (or, with one split and an ``activation`` given,
-    the activated result into ``out``)."""
+    the activated result into ``out``); ``finish`` (`_decode.FINISH_ACTIVATE` / `FINISH_COMBINE`): the
+    last program of each output row's tile also applies the epilogue launch's work into ``out``."""
     gated = activation is not None and activation.is_gated
     n_out = w.data.shape[1] // (2 if gated else 1)
     k = w.k
@@ -210,24 +260,29 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor, part: torch.Tens
     if not fp8 and not tile.dot and tile.block_m != 1:
         raise MoEConfigError(f"{w.fmt.value} FMA decode tiles take one row at a time: block_m must be 1 "
                              f"(got {tile.block_m}); use dot=True for 16-row tiles")
-    fused = tile.splits == 1 and out is not None
+    fused = tile.splits == 1 and out is not None and activation is not None
+    if fused:
+        finish = 0
+    to_out = fused or finish != 0
     has_map = routing.expert_map is not None
     grid = (cdiv(n_out, tile.block_n) * tile.splits, routing.groups)
     dummy = w.data
     kernels("decode").decode_gemm_kernel[grid](
         a, w.data, w.scale, w.global_scale if w.global_scale is not None else dummy,
-        w.bias if w.bias is not None else dummy, out if fused else part, part,
+        w.bias if w.bias is not None else dummy, out if to_out else part, part,
         routing.ids, routing.expert_map if has_map else routing.ids, routing.counts, routing.ends,
-        routing.sorted_slots, routing.num_local, n_out, k, a.stride(0), w.data.stride(0), w.data.stride(1),
+        routing.sorted_slots, tickets if finish else routing.ids, topk_weights if finish else part,
+        routing.num_local, n_out, k, a.stride(0), w.data.stride(0), w.data.stride(1),
         *w.scale.stride(),
-        w.bias.stride(0) if w.bias is not None else 0, (out if fused else part).stride(-2),
+        w.bias.stride(0) if w.bias is not None else 0, (out if to_out else part).stride(-2),
         part.stride(0), part.stride(1), *_activation_args(activation),
         GROUPED=routing.grouped, HAS_MAP=has_map, A_ROW_DIV=a_row_div, GATED=gated,
         ACTIVATION=ACTIVATION_CODES[None if activation is None else activation.kind], HAS_BIAS=w.bias is not None,
-        FUSED=fused, SPLITS=tile.splits, E_PAD=experts_pad(routing.num_local),
+        FUSED=fused, FINISH=finish, TOP_K=top_k, SPLITS=tile.splits, E_PAD=experts_pad(routing.num_local),
         EVEN_K=k % (FP8_GROUP_SIZE if fp8 else tile.block_k) == 0,
         IEEE=a.dtype == torch.float32, DOT=tile.dot, ASM=asm, SCALES=QUANT_CODES[w.fmt], BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages, num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
 
 
@@ -245,10 +300,15 @@ def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     inter = workspace["inter"][:slots]
     part1 = workspace["decode_part1"][: config.gemm1.splits, :slots]
     part2 = workspace["decode_part2"][: config.gemm2.splits, :slots]
-    _gemm(x, w13, inter, part1, routing, activation, top_k, config.gemm1, tile_asm(config.gemm1, weights, x))
     has_map = routing.expert_map is not None
+    tickets, hidden = weights.decode_tickets, out.shape[1]
+    finish1 = config.gemm1.splits > 1 and _finishes(config.gemm1, slots, inter.shape[1], tickets)
+    # GEMM2's finishing program writes a token's row once all of its k slots arrive: every expert must be here
+    finish2 = not has_map and _finishes(config.gemm2, tokens, hidden, tickets)
+    _gemm(x, w13, inter, part1, routing, activation, top_k, config.gemm1, tile_asm(config.gemm1, weights, x),
+          finish=_decode.FINISH_ACTIVATE if finish1 else 0, tickets=tickets)
     emap = routing.expert_map if has_map else routing.ids
-    if config.gemm1.splits > 1:
+    if config.gemm1.splits > 1 and not finish1:
         n = inter.shape[1]
         _decode.activate_splits_kernel[(slots, cdiv(n, _EPILOGUE_BLOCK))](
             part1, w13.bias if w13.bias is not None else part1, routing.ids, emap, inter, n,
@@ -256,8 +316,10 @@ def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
             *_activation_args(activation), GATED=activation.is_gated,
             ACTIVATION=ACTIVATION_CODES[activation.kind], HAS_BIAS=w13.bias is not None, HAS_MAP=has_map,
             SPLITS=config.gemm1.splits, BLOCK=_EPILOGUE_BLOCK)
-    _gemm(inter, w2, None, part2, routing, None, 1, config.gemm2, tile_asm(config.gemm2, weights, x))
-    hidden = out.shape[1]
+    _gemm(inter, w2, out, part2, routing, None, 1, config.gemm2, tile_asm(config.gemm2, weights, x),
+          finish=_decode.FINISH_COMBINE if finish2 else 0, tickets=tickets, topk_weights=topk_weights, top_k=top_k)
+    if finish2:
+        return out
     _decode.combine_splits_kernel[(tokens, cdiv(hidden, _EPILOGUE_BLOCK))](
         part2, w2.bias if w2.bias is not None else part2, topk_weights, routing.ids, emap, out, hidden,
         part2.stride(0), part2.stride(1), w2.bias.stride(0) if w2.bias is not None else 0, out.stride(0),

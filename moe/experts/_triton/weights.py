@@ -100,6 +100,9 @@ class TritonWeights:
     # MXFP4 with every e8m0 scale byte <= 128 (scales <= 2): the decode kernels' packed bf16
     # dequantization (decode.py) is exact for them (NVFP4 needs no such bound: `packed_dequantization`)
     small_scales: bool = False
+    # int32 zeros: the decode GEMMs' epilogue tickets (decode.py `decode_tickets`), one per (output row, N tile);
+    # every launch leaves them 0. None: the decode path runs its epilogue launches instead
+    decode_tickets: torch.Tensor | None = None
 
 
 def mxfp4_half_split(packed: torch.Tensor) -> torch.Tensor:
