@@ -53,6 +53,11 @@ MACHINES = {
         "ep2_deepseek-v3_bf16_triton_batched_nvidia-h200-x2.json": ("records", None),
         # session 12: the weight-only decode kernels' one-row FMA tiles (MXFP4 W4A16, NVFP4, MXFP8; M = 1, 4, 16)
         "fp4_gemv_bench_weight_only_nvidia-h200.json": ("records", None),
+        # session 13: the e4m3-cvt e2m1 decode and the GEMMs' own split epilogue (finish tiles); FlashInfer beside
+        "fp4_gemv_s13_bench_mxfp4_gpt-oss_flashinfer_nvidia-h200.json": ("records", None),
+        "fp4_gemv_s13_bench_nvfp4_mxfp8_nvidia-h200.json": ("records", None),
+        "fp4_gemv_s13_bench_qwen3_mxfp4_bf16_nvidia-h200.json": ("records", None),
+        "fp4_gemv_s13_bench_gpt-oss_bf16_nvidia-h200.json": ("records", None),
     }, "measured on nvidia-h200 (2026-11-22 and 2026-11-28; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
        "benchmarks/flashinfer_bench.py / benchmarks/ep_all_to_all.py"),
     "nvidia-h100": Machine("h100", {
