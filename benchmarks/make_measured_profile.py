@@ -58,6 +58,9 @@ MACHINES = {
         "fp4_gemv_s13_bench_nvfp4_mxfp8_nvidia-h200.json": ("records", None),
         "fp4_gemv_s13_bench_qwen3_mxfp4_bf16_nvidia-h200.json": ("records", None),
         "fp4_gemv_s13_bench_gpt-oss_bf16_nvidia-h200.json": ("records", None),
+        # the whole layer at decode (benchmarks/layer_decode.py): the experts stage of each cell's oracle choice
+        "layer_decode_weight_only_nvidia-h200.json": ("cells", None),
+        "fp4_gemv_s13_bench_qwen3_mxfp4_flashinfer_nvidia-h200.json": ("records", None),  # Qwen3 MXFP4, FlashInfer beside
     }, "measured on nvidia-h200 (2026-11-22 and 2026-11-28; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
        "benchmarks/flashinfer_bench.py / benchmarks/ep_all_to_all.py"),
     "nvidia-h100": Machine("h100", {
@@ -91,6 +94,10 @@ def measurements(machine: Machine) -> list[ProfileEntry]:
             entries += _transport_entries(data[key], platform, f"benchmarks/results/{name}")
             continue
         for r in data[key]:
+            if "experts_us" in r:  # a benchmarks/layer_decode.py cell: its experts stage, timed as moe bench does
+                if r.get("error") or r["experts_us"] is None:
+                    continue
+                r = {**r, "quant": r["scheme"], "us": r["experts_us"]}
             preset = fixed_preset or r["preset"]
             problem = load_preset(preset).problem(quant=r["quant"], max_tokens=max(r["tokens"], 1))
             entries.append(ProfileEntry.measurement(r["experts"], platform, problem, r["tokens"], r["us"],

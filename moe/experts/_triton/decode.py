@@ -306,7 +306,7 @@ def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     # GEMM2's finishing program writes a token's row once all of its k slots arrive: every expert must be here
     finish2 = not has_map and _finishes(config.gemm2, tokens, hidden, tickets)
     _gemm(x, w13, inter, part1, routing, activation, top_k, config.gemm1, tile_asm(config.gemm1, weights, x),
-          finish=_decode.FINISH_ACTIVATE if finish1 else 0, tickets=tickets)
+          finish=_decode.FINISH_ACTIVATE if finish1 else _decode.FINISH_NONE, tickets=tickets)
     emap = routing.expert_map if has_map else routing.ids
     if config.gemm1.splits > 1 and not finish1:
         n = inter.shape[1]
@@ -317,7 +317,8 @@ def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
             ACTIVATION=ACTIVATION_CODES[activation.kind], HAS_BIAS=w13.bias is not None, HAS_MAP=has_map,
             SPLITS=config.gemm1.splits, BLOCK=_EPILOGUE_BLOCK)
     _gemm(inter, w2, out, part2, routing, None, 1, config.gemm2, tile_asm(config.gemm2, weights, x),
-          finish=_decode.FINISH_COMBINE if finish2 else 0, tickets=tickets, topk_weights=topk_weights, top_k=top_k)
+          finish=_decode.FINISH_COMBINE if finish2 else _decode.FINISH_NONE, tickets=tickets,
+          topk_weights=topk_weights, top_k=top_k)
     if finish2:
         return out
     _decode.combine_splits_kernel[(tokens, cdiv(hidden, _EPILOGUE_BLOCK))](
