@@ -1,6 +1,6 @@
 """The FMA decode path's e2m1 PTX (`_decode._E2M1_F16X2`), run on the CPU: the interpreter runs no PTX, so
-the PTX text itself is executed here by a small emulator of the instructions it uses (shl, shr, and, or, prmt
-on 32-bit registers, mov splitting one into two 16-bit halves, cvt.rn.f16x2.e4m3x2) for every byte in every
+the PTX text itself is executed here by a small emulator of the instructions it uses (shl, shr, and, or on
+32-bit registers, mov splitting one into two 16-bit halves, cvt.rn.f16x2.e4m3x2) for every byte in every
 position, and each output is checked against the e2m1 table: the value times `E2M1_F16X2_UNIT` as float16,
 exact; and `decode.tile_asm`, which chooses it."""
 
@@ -18,20 +18,6 @@ from moe.quant import QuantFormat  # noqa: E402
 
 E2M1_VALUES = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
 MASK = 0xFFFFFFFF
-
-
-def _prmt(a: int, b: int, selector: int) -> int:
-    """prmt.b32's default mode: byte i of the result is byte (selector nibble i & 7) of {b, a}, or that
-    byte's sign bit replicated when the nibble's bit 3 is set."""
-    source = [(a >> (8 * i)) & 255 for i in range(4)] + [(b >> (8 * i)) & 255 for i in range(4)]
-    out = 0
-    for i in range(4):
-        nibble = (selector >> (4 * i)) & 15
-        byte = source[nibble & 7]
-        if nibble & 8:
-            byte = 255 if byte & 128 else 0
-        out |= byte << (8 * i)
-    return out
 
 
 def _f16_bits(value: torch.Tensor) -> int:
@@ -59,7 +45,6 @@ def run_ptx(text: str, inputs: dict[str, int]) -> dict[str, int]:
         "shr.b32": lambda a, b: a >> b,  # .b32: logical
         "and.b32": lambda a, b: a & b,
         "or.b32": lambda a, b: a | b,
-        "prmt.b32": _prmt,
         "cvt.rn.f16x2.e4m3x2": _cvt_f16x2_e4m3x2,
     }
     for line in text.strip().strip("{}").splitlines():
@@ -87,13 +72,6 @@ def test_the_emulator_reads_cvt_e4m3x2_as_the_ptx_manual_does():
     assert _cvt_f16x2_e4m3x2(0x8001) == 0x80001800  # -0 high; the smallest subnormal 2**-9 low
     regs = run_ptx("{\n.reg .b16 l, h;\nmov.b32 {l, h}, r0;\n}", {"r0": 0x12345678})
     assert (regs["l"], regs["h"]) == (0x5678, 0x1234)
-
-
-def test_the_emulator_reads_prmt_as_the_ptx_manual_does():
-    assert _prmt(0x44332211, 0x88776655, 0x3210) == 0x44332211
-    assert _prmt(0x44332211, 0x88776655, 0x7654) == 0x88776655
-    assert _prmt(0x44332211, 0, 0x1404) == 0x22001100  # byte 0 to bits 8..15, byte 1 to 24..31
-    assert _prmt(0x000000F0, 0, 0x8888) == 0xFFFFFFFF  # sign replicate
 
 
 @pytest.mark.parametrize("position", range(4))
