@@ -97,7 +97,6 @@ def test_fma_tiles_finish_their_own_epilogue(num_tokens, expert_map, monkeypatch
     (`_decode._finish_if_last`), so neither epilogue launch runs (with an expert map GEMM2's does: a token
     may have no expert here); the tickets are all 0 afterwards, and the output has the same bits as with
     the epilogue launches (the weights without tickets)."""
-    import dataclasses
     from dataclasses import replace
 
     from moe.formats import DispatchShape
@@ -125,7 +124,7 @@ def test_fma_tiles_finish_their_own_epilogue(num_tokens, expert_map, monkeypatch
     want_epilogues = {"combine_splits_kernel"} if expert_map else set()
     assert kernels & {"activate_splits_kernel", "combine_splits_kernel"} == want_epilogues
     assert int(prepared.decode_tickets.count_nonzero()) == 0
-    launched, kernels = run(dataclasses.replace(prepared, decode_tickets=None))
+    launched, kernels = run(replace(prepared, decode_tickets=None))
     assert {"activate_splits_kernel", "combine_splits_kernel"} <= kernels
     assert torch.equal(finished, launched)
     monkeypatch.setattr("moe.experts.triton.decode_config", lambda m: DecodeConfig(FMA, FMA))  # finish=False

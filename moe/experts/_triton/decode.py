@@ -261,8 +261,6 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor | None, part: tor
         raise MoEConfigError(f"{w.fmt.value} FMA decode tiles take one row at a time: block_m must be 1 "
                              f"(got {tile.block_m}); use dot=True for 16-row tiles")
     fused = tile.splits == 1 and out is not None and activation is not None
-    if fused:
-        finish = 0
     to_out = fused or finish != 0
     has_map = routing.expert_map is not None
     grid = (cdiv(n_out, tile.block_n) * tile.splits, routing.groups)
