@@ -48,11 +48,26 @@ DOT_TILES = [(32, 128, 1, 4, 3, True), (32, 128, 2, 4, 3, True), (64, 128, 1, 4,
              (64, 128, 1, 4, 3, False)]
 
 
+# MMA-fragment tiles (splits, warps, unroll): 16 weight rows per warp, K steps of 64 (unroll of them loaded at a
+# time), 8 tokens per pass (fp4 only)
+MMA_TILES = [(1, 4, 1), (2, 4, 1), (4, 4, 2), (8, 4, 2), (2, 2, 2), (4, 2, 2), (8, 2, 2), (4, 4, 4), (2, 2, 4),
+             (1, 4, 2), (8, 1, 2), (4, 8, 2)]
+
+
+def mma_tile(splits: int, warps: int, unroll: int = 1, finish: int = 0) -> DecodeTile:
+    return DecodeTile(16 * warps, 64 * unroll, splits, 8, False, True, warps, 1, finish=finish == 1, mma=True)
+
+
 def parse_tiles(text: str) -> list[DecodeTile]:
     """``n:k:splits:block_m:warps:stages[:finish]`` tiles, comma-separated (block_m 1..8: float32 FMAs, else
-    tensor cores; finish 1: the FMA tile applies the split epilogue itself), all with the PTX dequantization."""
+    tensor cores; finish 1: the FMA tile applies the split epilogue itself), all with the PTX dequantization;
+    or ``mma:splits:warps[:unroll[:finish]]``, an MMA-fragment tile (`DecodeTile.mma`; unroll: K steps of 64 per
+    load)."""
     tiles = []
     for item in text.split(","):
+        if item.startswith("mma:"):
+            tiles.append(mma_tile(*(int(v) for v in item[4:].split(":"))))
+            continue
         fields = [int(v) for v in item.split(":")]
         if len(fields) not in (6, 7):
             raise SystemExit(f"--tiles: {item!r} is not n:k:splits:block_m:warps:stages[:finish]")
@@ -83,6 +98,8 @@ def candidates(tokens: int, only: list[DecodeTile] | None = None, quant: str = "
                   for finish in (True, False)]
     # tensor-core tiles at every M, one token too: the swapped MMA pads activation rows, not weight rows
     tiles += [DecodeTile(n, k, s, 16, True, asm, w, st) for n, k, s, w, st, asm in DOT_TILES]
+    if quant in ("mxfp4", "nvfp4"):
+        tiles += [mma_tile(*t) for t in MMA_TILES]
     return tiles
 
 
@@ -219,7 +236,7 @@ def table(rows) -> str:
 
 
 def _short(t: DecodeTile) -> str:
-    kind = f"dot m{t.block_m}" if t.dot else f"fma m{t.block_m}"
+    kind = f"mma m8 u{t.block_k // 64}" if t.mma else f"dot m{t.block_m}" if t.dot else f"fma m{t.block_m}"
     return (f"{kind} n{t.block_n} k{t.block_k} s{t.splits} w{t.num_warps} st{t.num_stages}{' asm' if t.asm else ''}"
             f"{' finish' if t.finish else ''}")
 

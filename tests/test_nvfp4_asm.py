@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from moe.experts._triton._decode import _E4M3_SCALED_TO_BIASED, NVFP4_ASM_UNBIAS, NVFP4_SCALE_BIAS  # noqa: E402
+from moe.experts._triton._decode_mma import _E4M3_SCALED_TO_BIASED, NVFP4_ASM_UNBIAS, NVFP4_SCALE_BIAS  # noqa: E402
 from moe.experts._triton.decode import packed_dequantization  # noqa: E402
 from moe.experts.triton import TritonExperts  # noqa: E402
 from moe.quant import QuantFormat  # noqa: E402
@@ -27,14 +27,14 @@ def _bits_as(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def biased_scales() -> torch.Tensor:
-    """`_decode._e4m3_bf16_biased` of every byte: `_gemm._e4m3_scaled`'s float16 bits (the scale times
+    """`_decode_mma.e4m3_bf16_biased` of every byte: `_gemm._e4m3_scaled`'s float16 bits (the scale times
     2**-8), in float32 times the kernel's constant, rounded to bfloat16."""
     half = _bits_as(((BYTES & 0x80) << 8) | ((BYTES & 0x7F) << 7), torch.float16)
     return (half.float() * _E4M3_SCALED_TO_BIASED.value).to(torch.bfloat16)
 
 
 def e2m1_times_2_pow_minus_126() -> torch.Tensor:
-    """What `_E2M1_PTX` builds of each code before its fma: magnitude bits at bf16 bits 6..8, sign at 15."""
+    """What `_decode_mma.e2m1_bf16x2_ptx` builds of each code before its fma: magnitude bits at bf16 bits 6..8, sign at 15."""
     return _bits_as(((CODES & 8) << 12) | ((CODES & 7) << 6), torch.bfloat16)
 
 

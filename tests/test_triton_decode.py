@@ -176,19 +176,28 @@ def test_weight_only_decode_path_taken_up_to_512_slots(monkeypatch):
     assert calls == [128]
 
 
-@pytest.mark.parametrize("rows_per_expert,dot,block_k,finish", [
-    (0.03125, False, 128, (True, True)), (0.0625, False, 64, (True, True)), (0.125, False, 64, (False, False)),
-    (0.25, False, 64, (True, False)), (0.5, False, 64, (False, False)), (1.0, True, 128, (False, False)),
-    (2.0, True, 128, (False, False))])
-def test_decode_config_by_rows_per_expert(rows_per_expert, dot, block_k, finish):
-    """GPT-OSS-120B (k/E = 1/32) at M = 1, 2, 4, 16, 64 and Qwen3-30B-A3B (1/16) at M = 1, 4, 16: the buckets
-    the H200 sweeps picked (FMA tiles below one row per expert, finishing their own split epilogue where the
-    launches weigh most; the tensor-core tile from one row per expert)."""
+@pytest.mark.parametrize("rows_per_expert", [0.03125, 0.0625, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0])
+def test_decode_config_by_rows_per_expert(rows_per_expert):
+    """GPT-OSS-120B (k/E = 1/32) at M = 1 .. 64 and Qwen3-30B-A3B (1/16) at M = 1 .. 64: the buckets the H200
+    sweeps picked -- MMA-fragment tiles everywhere, finishing their own split epilogue for one token -- each with
+    the FMA / tensor-core config of its bucket as the fallback (FMA tiles below one row per expert)."""
     config = decode.decode_config(rows_per_expert)
-    assert config.gemm1.dot is dot and config.gemm2.dot is dot
-    assert config.gemm1.block_k == block_k
-    assert (config.gemm1.finish, config.gemm2.finish) == finish
-    assert all(t.block_m == (16 if dot else 1) for t in (config.gemm1, config.gemm2))
+    assert config.gemm1.mma and config.gemm2.mma
+    assert config.gemm1.finish is config.gemm2.finish is (rows_per_expert < 0.1)  # one token, where launches weigh
+    fallback = config.fallback
+    assert fallback is not None and not fallback.uses_mma and fallback.fallback is None
+    assert fallback.gemm1.dot is (rows_per_expert >= 1.0)
+    assert all(t.block_m == (16 if t.dot else 1) for t in (fallback.gemm1, fallback.gemm2))
+
+
+def test_mma_configs_fall_back_where_the_mma_tiles_cannot_run(monkeypatch):
+    """On this CPU no weights carry MMA fragments (the interpreter runs no PTX): the default configs run their
+    fallback, and an MMA config without one says what it needs."""
+    p = gpt_oss_like()
+    mma = decode.mma_tile(32, 2, 2)
+    check(p, 3, DecodeConfig(mma, mma, fallback=DecodeConfig(FMA, DOT_SPLIT)), monkeypatch)
+    with pytest.raises(MoEConfigError, match="mma=True tiles need fp4 weights prepared with their MMA fragments"):
+        check(p, 3, DecodeConfig(mma, mma), monkeypatch)
 
 
 @pytest.mark.parametrize("quant", ["nvfp4", "mxfp8"])

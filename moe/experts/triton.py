@@ -72,6 +72,10 @@ from moe.workspace import Workspace, WorkspaceShapes
 class TritonExperts(Experts):
     name = "triton"
     prepared_type = TritonWeights
+    # MXFP4 / NVFP4 on a GPU: also hold the weights in the MMA decode tiles' order (`_triton.weights.MmaFragments`,
+    # about as many bytes again as the fp4 weights; the grouped GEMM keeps the half-split copy). False: decode
+    # with the FMA and tensor-core tiles instead (`decode.FALLBACK_DECODE_CONFIGS`), one copy
+    decode_fragments = True
     capabilities = Capabilities(
         formats=frozenset({ActivationFormat.STANDARD}),
         output=OutputKind.REDUCED,
@@ -94,8 +98,11 @@ class TritonExperts(Experts):
         table = ConfigTable.load(config_key(p, "standard", weights.device))
         expert_map = p.parallel.global_to_local(p.num_experts) if p.parallel.enabled else None
         weight_only = p.quant.is_quantized and activation_format(p, gpu_of(weights.device)) is QuantFormat.NONE
-        prepared = prepare_triton_weights(weights, expert_map, table, weight_only=weight_only)
-        if not decodes(p.quant.weight, QuantFormat.NONE if weight_only else p.quant.activation):
+        decoded = decodes(p.quant.weight, QuantFormat.NONE if weight_only else p.quant.activation)
+        fragments = (self.decode_fragments and decoded and p.quant.weight.is_packed_fp4
+                     and weights.device.type == "cuda")
+        prepared = prepare_triton_weights(weights, expert_map, table, weight_only=weight_only, fragments=fragments)
+        if not decoded:
             return prepared
         n_out1 = prepared.w13.data.shape[1] // (2 if p.activation.is_gated else 1)
         tickets = decode_tickets(p.quant.weight, n_out1, prepared.w2.data.shape[1], weights.device)

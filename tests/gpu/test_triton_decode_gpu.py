@@ -32,6 +32,9 @@ pytest.importorskip("triton")
 FMA = DecodeTile(32, 128, 2, 1, dot=False)
 DOT = DecodeTile(64, 128, 2, 16, dot=True)
 DOT_ONE_SPLIT = DecodeTile(32, 256, 1, 16, dot=True, asm=False)
+MMA = DecodeTile(32, 128, 4, 8, dot=False, num_warps=2, num_stages=1, mma=True)
+MMA_FUSED = DecodeTile(64, 64, 1, 8, dot=False, num_warps=4, num_stages=1, mma=True)
+MMA_FINISH = DecodeTile(64, 256, 8, 8, dot=False, num_warps=4, num_stages=1, finish=True, mma=True)
 
 
 def gpt_oss(tokens):
@@ -222,3 +225,55 @@ def test_qwen3_fp8_decode_matches_grouped_gemm_and_reference(quant, tokens, tile
     assert_close_moe(out, grouped, "bf16", context=context + " vs grouped GEMM")
     assert_close_moe(out, reference(p, d.x.data, d.topk, weights), regime_for(p), context=context + " vs reference")
 
+
+
+def weight_only_reference(p, d, weights):
+    truth = WeightOnlyReferenceExperts(p)
+    return (run(truth, d, truth.prepare_weights(weights)) * d.topk.weights.unsqueeze(-1)).sum(1).float()
+
+
+@pytest.mark.parametrize("quant", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("tokens", [1, 3, 33, 64])
+@pytest.mark.parametrize("tiles", [(MMA, MMA), (MMA_FUSED, MMA_FUSED), (MMA_FINISH, MMA_FINISH)],
+                         ids=["splits", "fused", "finish"])
+def test_mma_tiles_match_reference(quant, tokens, tiles, monkeypatch):
+    """The MMA-fragment tiles (`_decode_mma`): GPT-OSS-120B's MXFP4 shape and a Qwen3-like NVFP4 one (8 of 128
+    experts: at 33 and 64 tokens some experts take more than the MMA's 8 tokens, some none), against the
+    reference; the NVFP4 block scales over e4m3's range. ``finish`` tiles apply the split epilogue themselves
+    for one token (K steps of 64 loaded 4 at a time there, past the splits' ends too) and launch it from 3."""
+    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m: DecodeConfig(*tiles))
+    if quant == "mxfp4":
+        p = gpt_oss(tokens)
+        weights = weights_for(p)
+    else:
+        p = problem("nvfp4", "silu", E=128, k=8, H=2048, I=768, max_tokens=tokens)
+        weights = weights_for(p, spread=(0.125, 128.0))
+    experts = TritonExperts(p)
+    prepared = experts.prepare_weights(weights)
+    d = dispatched_for(p, tokens)
+    assert decode.mma_ready(prepared, d.x.data)
+    out = run(experts, d, prepared)
+    if quant == "nvfp4":
+        assert_close_moe(out.float(), weight_only_reference(p, d, weights), "bf16", context=f"mma nvfp4 M={tokens}")
+    else:
+        assert_close_moe(out.float(), reference(p, d.x.data, d.topk, weights), regime_for(p),
+                         context=f"mma mxfp4 M={tokens}")
+
+
+@pytest.mark.parametrize("tokens, tile", [(16, MMA), (1, MMA_FINISH)], ids=["splits", "finish"])
+def test_mma_tiles_cuda_graph_replay_equals_eager(tokens, tile, monkeypatch):
+    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m: DecodeConfig(tile, tile))
+    p = gpt_oss(tokens)
+    experts = TritonExperts(p)
+    prepared = experts.prepare_weights(weights_for(p))
+    assert_replay_equals_eager_without_sync(experts, prepared, p, tokens)
+
+
+def test_mma_tiles_refuse_weights_without_fragments(monkeypatch):
+    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m: DecodeConfig(MMA, MMA))
+    p = gpt_oss(1)
+    experts = TritonExperts(p)
+    prepared = experts.prepare_weights(weights_for(p))
+    bare = replace(prepared, w13=replace(prepared.w13, fragments=None))
+    with pytest.raises(Exception, match="mma=True tiles need fp4 weights prepared with their MMA fragments"):
+        run(experts, dispatched_for(p, 1), bare)

@@ -14,9 +14,11 @@ padding; program g takes the g-th expert that has any slot (an in-register scan 
 the grid (``min(slots, E)`` groups) depends on M only. Without grouping, program g takes slot g
 (one token: its k experts are distinct, and the alignment launch is saved).
 
-Two program kinds (``DOT``): tensor-core tiles of 16 rows (`_k_loop`), and FMA tiles of one row
-(`_gemv_k_loop`), which win below one row per expert. The weight format lives in `_weight_half_tiles`
-(tensor cores) and `_gemv_values` / `_gemv_step` (FMAs) with their scale decoders.
+Three program kinds: MMA-fragment tiles (``MMA``, `_decode_mma.mma_program`: fp4 weights pre-shuffled into the
+``mma.sync`` register order, 8 tokens a pass; they win at every M where they run), tensor-core tiles of 16 rows
+(``DOT``, `_k_loop`), and FMA tiles of one row (`_gemv_k_loop`), which win below one row per expert where the MMA
+tiles cannot run. The weight format lives in `_weight_half_tiles` (tensor cores) and `_gemv_values` /
+`_gemv_step` (FMAs) with their scale decoders.
 """
 
 import triton
@@ -26,89 +28,34 @@ from moe.experts._triton._decode_fp8 import GROUP, fp8_k_loop
 from moe.experts._triton._gemm import (_FP8_BLOCK, _FP8_ROW, _MXFP8, _NVFP4, _activate, _dot, _e4m3_scaled,
                                        _e2m1_halves, _e8m0_factor, _fp4_factors, _fp4_half_tiles, _fp4_load,
                                        _fp4_scale_words, _mxfp8_tile)
+from moe.experts._triton._decode_mma import (E2M1_PTX_REGS, NVFP4_ASM_UNBIAS, NVFP4_SCALE_BIAS,  # noqa: F401
+                                             e2m1_bf16x2_ptx, e4m3_bf16_biased, e8m0_bf16_biased, mma_program)
 from moe.experts._triton._lang import cdiv_, cumsum_, sum_
 
-# e2m1 codes of 4 bytes -> 8 bfloat16 values times the scale, 2 per register. The code's magnitude
-# bits go to bf16 bits 6..8 (exponent 7..8, top mantissa bit 6) and its sign to bit 15: that bf16
-# is the e2m1 value times 2**-126 (code 1 a subnormal), which the fma by a scale biased by 2**126
-# turns into the value times the scale. prmt first puts byte 0 in the low and byte 1 in the high half
-# (then bytes 2 and 3): bits 8..11 hold the low nibble, 12..15 the high nibble of each half's byte.
-# Scale lane i covers byte i: its low nibbles take lanes $5/$6 (bytes 0-1 / 2-3), its high nibbles
-# HI0/HI1 -- the same registers for MXFP4 (one scale per 32), $7/$8 for NVFP4 (a scale per 16: the
-# high nibbles, elements j + 16, are the group's second block).
-_E2M1_PTX = """
-{
-.reg .b32 t<2>, s, m, zero, negz;
-mov.b32 zero, 0;
-mov.b32 negz, 0x80008000;
-prmt.b32 t0, $4, zero, 0x1404;
-prmt.b32 t1, $4, zero, 0x3424;
-shl.b32 s, t0, 4;
-shr.b32 m, t0, 2;
-and.b32 s, s, 0x80008000;
-and.b32 m, m, 0x01C001C0;
-or.b32 s, s, m;
-fma.rn.bf16x2 $0, s, $5, negz;
-shl.b32 s, t1, 4;
-shr.b32 m, t1, 2;
-and.b32 s, s, 0x80008000;
-and.b32 m, m, 0x01C001C0;
-or.b32 s, s, m;
-fma.rn.bf16x2 $1, s, $6, negz;
-shr.b32 m, t0, 6;
-and.b32 s, t0, 0x80008000;
-and.b32 m, m, 0x01C001C0;
-or.b32 s, s, m;
-fma.rn.bf16x2 $2, s, HI0, negz;
-shr.b32 m, t1, 6;
-and.b32 s, t1, 0x80008000;
-and.b32 m, m, 0x01C001C0;
-or.b32 s, s, m;
-fma.rn.bf16x2 $3, s, HI1, negz;
-}
-"""
-_E2M1_BF16X2 = tl.constexpr(_E2M1_PTX.replace("HI0", "$5").replace("HI1", "$6"))
-_E2M1_BF16X2_SPLIT = tl.constexpr(_E2M1_PTX.replace("HI0", "$7").replace("HI1", "$8"))
+# the packed PTX on one register of 4 bytes: $0..$3 out (see `e2m1_bf16x2_ptx`), $4 the bytes; $5 / $6 the
+# scales of bytes 0-1 / 2-3, the same for their high nibbles (MXFP4: one scale per 32) or $7 / $8 (NVFP4: a
+# scale per 16; the high nibbles, elements j + 16, are the group's second block)
+_E2M1_BF16X2 = tl.constexpr("{\n" + E2M1_PTX_REGS
+                            + e2m1_bf16x2_ptx("$4", "$5", "$6", "$5", "$6", "$0", "$1", "$2", "$3") + "}")
+_E2M1_BF16X2_SPLIT = tl.constexpr("{\n" + E2M1_PTX_REGS
+                                  + e2m1_bf16x2_ptx("$4", "$5", "$6", "$7", "$8", "$0", "$1", "$2", "$3") + "}")
 
 # the decode GEMM's FINISH: none (the epilogue launches, or one fused split), GEMM1's or GEMM2's (`_finish_if_last`)
 FINISH_NONE, FINISH_ACTIVATE, FINISH_COMBINE = 0, 1, 2
 _FINISH_ACTIVATE = tl.constexpr(FINISH_ACTIVATE)
-
-# NVFP4's e4m3 scales reach the PTX as scale * 2**NVFP4_SCALE_BIAS: normal and finite in bf16 for every
-# code (2**-9 .. 448 -> 2**109 .. < 2**127), and the products with the e2m1 values times 2**-126 are
-# normal and exact (value * scale * 2**-8: 2**-18 .. 10.5, at most 2 + 4 significant bits of bf16's 8).
-# The rest of the 2**126, NVFP4_ASM_UNBIAS, goes into the global scale after the K sum (tests/test_nvfp4_asm.py).
-NVFP4_SCALE_BIAS = 118
-_E4M3_SCALED_TO_BIASED = tl.constexpr(2.0 ** (NVFP4_SCALE_BIAS + 8))  # `_e4m3_scaled` gives scale * 2**-8
-NVFP4_ASM_UNBIAS = tl.constexpr(2.0 ** (126 - NVFP4_SCALE_BIAS))
-
-
-@triton.jit
-def _e8m0_bf16_biased(scale_bytes):
-    """2**(byte - 1) as bfloat16: the e8m0 scale times 2**126 (`_E2M1_BF16X2`'s bias). Exact for
-    bytes <= 128 (scales <= 2), which the launcher checks once at load."""
-    return ((scale_bytes + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _e4m3_bf16_biased(scale_bytes):
-    """The e4m3 scale times 2**NVFP4_SCALE_BIAS as bfloat16, exact for every byte (0x7F/0xFF read as
-    480, as `_e4m3_scaled` reads them); the e2m1 products then lack a factor NVFP4_ASM_UNBIAS."""
-    return (_e4m3_scaled(scale_bytes, tl.float32) * _E4M3_SCALED_TO_BIASED).to(tl.bfloat16)
-
 
 @triton.jit
 def _e2m1_bf16x2(packed, words, shifts, SCALES: tl.constexpr):
     """The packed bf16x2 PTX on a K step's bytes and scale words: (low, high) nibbles' bf16 values,
     exact; NVFP4's lack the factor NVFP4_ASM_UNBIAS (the caller's global scale supplies it)."""
     if SCALES == _NVFP4:  # the low nibbles (elements j) take the group's first scale, the high ones its second
-        scale_low = _e4m3_bf16_biased((words >> shifts) & 255)
-        scale_high = _e4m3_bf16_biased((words >> (shifts + 8)) & 255)
+        scale_low = e4m3_bf16_biased((words >> shifts) & 255)
+        scale_high = e4m3_bf16_biased((words >> (shifts + 8)) & 255)
         low, high = tl.inline_asm_elementwise(_E2M1_BF16X2_SPLIT, "=r,=r,=r,=r,r,r,r,r,r",
                                               [packed, scale_low, scale_high],
                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     else:
-        scale = _e8m0_bf16_biased((words >> shifts) & 255)
+        scale = e8m0_bf16_biased((words >> shifts) & 255)
         low, high = tl.inline_asm_elementwise(_E2M1_BF16X2, "=r,=r,=r,=r,r,r,r", [packed, scale],
                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     return low, high
@@ -345,18 +292,29 @@ def _group(g, ids_ptr, map_ptr, counts_ptr, ends_ptr, num_local,
 @triton.jit(do_not_specialize=["num_local"])
 def decode_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, wg_ptr, bias_ptr, out_ptr, part_ptr, ids_ptr, map_ptr, counts_ptr, ends_ptr, sorted_ptr,
-    tickets_ptr, topk_w_ptr,
+    tickets_ptr, topk_w_ptr, fw_ptr, fs_ptr,
     num_local, N, K, stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be,
-    stride_om, stride_ps, stride_pm, alpha, beta, limit,
+    stride_om, stride_ps, stride_pm, stride_fe, stride_fse, k_blocks, up_blocks, alpha, beta, limit,
     GROUPED: tl.constexpr, HAS_MAP: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, FUSED: tl.constexpr, FINISH: tl.constexpr,
     TOP_K: tl.constexpr, SPLITS: tl.constexpr,
     E_PAD: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr,
     SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    MMA: tl.constexpr,
 ):
     expert, start, count = _group(tl.program_id(1), ids_ptr, map_ptr, counts_ptr, ends_ptr, num_local,
                                   GROUPED, HAS_MAP, E_PAD)
     if expert < 0:
+        return
+    if MMA:  # the weights in MMA fragment order (_decode_mma.py)
+        mma_program(a_ptr, fw_ptr, fs_ptr, wg_ptr, bias_ptr, out_ptr, part_ptr, sorted_ptr, expert.to(tl.int64),
+                    start, count, N, K, stride_am, stride_fe, stride_fse, k_blocks, up_blocks, stride_be, stride_om,
+                    stride_ps, stride_pm, alpha, beta, limit, GROUPED, A_ROW_DIV, GATED, ACTIVATION, HAS_BIAS, FUSED,
+                    SPLITS, SCALES, NVFP4_ASM_UNBIAS, BLOCK_N, BLOCK_K // 64)
+        if FINISH != 0 and not GROUPED:  # one token: the program's one slot is `start`
+            _finish_if_last(start.to(tl.int64), expert.to(tl.int64), tickets_ptr, part_ptr, bias_ptr, topk_w_ptr,
+                            ids_ptr, map_ptr, out_ptr, N, stride_ps, stride_pm, stride_be, stride_om, alpha, beta,
+                            limit, GATED, ACTIVATION, HAS_BIAS, FINISH, TOP_K, SPLITS, BLOCK_N)
         return
     split = tl.program_id(0) % SPLITS
     offs_n = (tl.program_id(0) // SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -399,7 +357,7 @@ def decode_gemm_kernel(
                 acc, acc_up = sum_(acc, 2), sum_(acc_up, 2)
         if SCALES == _NVFP4:  # the expert's global scale factors out of the sum over K (and the splits)
             global_scale = tl.load(wg_ptr + expert)
-            if ASM and DOT:  # the rest of the bf16x2 PTX's bias (`_e4m3_bf16_biased`; the FMA path's PTX has none)
+            if ASM and DOT:  # the rest of the bf16x2 PTX's bias (`e4m3_bf16_biased`; the FMA path's PTX has none)
                 global_scale = global_scale * NVFP4_ASM_UNBIAS
             acc, acc_up = acc * global_scale, acc_up * global_scale
         mask = row_ok[:, None] & n_ok[None, :]

@@ -27,6 +27,7 @@ on the GPU, shapes depend on M only: CUDA-graph capturable.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,7 @@ from moe.activation import Activation
 from moe.experts._triton import cdiv, kernels
 from moe.experts._triton.align import align_block_size, experts_pad
 from moe.experts._triton.gemm import ACTIVATION_CODES, QUANT_CODES
-from moe.experts._triton.weights import TritonWeights, WeightOperand
+from moe.experts._triton.weights import MMA_ROWS, TritonWeights, WeightOperand
 from moe.errors import MoEConfigError
 from moe.quant import QuantFormat
 from moe.quant.fp8 import FP8_GROUP_SIZE  # one K step of the fp8 decode loop
@@ -74,10 +75,20 @@ class DecodeTile:
     num_warps: int = 4
     num_stages: int = 3
     finish: bool = False
+    mma: bool = False
 
     def __post_init__(self):
         if not 1 <= self.splits <= MAX_SPLITS:
             raise MoEConfigError(f"splits must be in 1..{MAX_SPLITS} (got {self.splits})")
+        if self.mma:  # one fragment block per warp and K step; 8 tokens, the MMA's N (`_decode_mma`)
+            if self.dot or self.block_m != 8 or self.block_k not in (64, 128, 256) or \
+                    self.block_n != 16 * self.num_warps:
+                raise MoEConfigError(
+                    "mma=True tiles take block_m=8, block_k=64, 128 or 256 (K steps of 64 loaded 1, 2 or 4 at a "
+                    "time), block_n=16 * num_warps and dot=False "
+                    f"(got block_m={self.block_m}, block_k={self.block_k}, block_n={self.block_n}, "
+                    f"num_warps={self.num_warps}, dot={self.dot})")
+            return
         if self.block_k % 32 or self.block_k < 32:
             raise MoEConfigError(f"block_k must be a multiple of 32, the MXFP4 group (got {self.block_k})")
         if self.dot and self.block_m < 16:
@@ -91,17 +102,24 @@ class DecodeTile:
 class DecodeConfig:
     gemm1: DecodeTile
     gemm2: DecodeTile
+    # what runs instead where a tile is an MMA one and `mma_ready` fails (no fragments: MXFP8, or a CPU; MXFP4 with
+    # scales > 2; float16 / float32 activations); None: such a config raises there
+    fallback: DecodeConfig | None = None
+
+    @property
+    def uses_mma(self) -> bool:
+        return self.gemm1.mma or self.gemm2.mma
 
 
-# MXFP4 / NVFP4 / MXFP8 weight-only, by the slots per local expert (M * k / E: how many rows each expert hit
-# multiplies), the nearest bucket at or below: the fastest of benchmarks/mxfp4_decode.py's sweeps on an
-# H200 (benchmarks/results/fp4_gemv_decode_nvidia-h200.md: GPT-OSS-120B MXFP4 at M = 1, 2, 4, 16, 64 and
-# Qwen3-30B-A3B NVFP4 at M = 1, 4, 16). Below one row per expert the FMA tiles, one row at a time, win: with
-# the split epilogue in the GEMMs (``finish``) where the launches weigh most (GPT-OSS up to M = 3, Qwen3's GEMM1
-# at M = 4), GEMM2's tiles two 16-byte groups per thread (32 x 128 on 2 warps); from one row per expert the
-# tensor-core tile (Qwen3 at M = 16, GPT-OSS at 64).
+# MXFP4 / NVFP4 / MXFP8 weight-only where the MMA tiles cannot run (`DecodeConfig.fallback`), by the slots per
+# local expert (M * k / E: how many rows each expert hit multiplies), the nearest bucket at or below: session 13's
+# fastest FMA and tensor-core tiles of benchmarks/mxfp4_decode.py's sweeps on an H200
+# (benchmarks/results/fp4_gemv_decode_nvidia-h200.md: GPT-OSS-120B MXFP4 at M = 1, 2, 4, 16, 64 and Qwen3-30B-A3B
+# NVFP4 at M = 1, 4, 16). Below one row per expert the FMA tiles, one row at a time: with the split epilogue in the
+# GEMMs (``finish``) where the launches weigh most (GPT-OSS up to M = 3, Qwen3's GEMM1 at M = 4), GEMM2's tiles
+# two 16-byte groups per thread (32 x 128 on 2 warps); from one row per expert the tensor-core tile.
 _FMA = dict(block_m=1, dot=False, asm=True, num_stages=1)
-DECODE_CONFIGS = {
+FALLBACK_DECODE_CONFIGS = {
     0.0: DecodeConfig(DecodeTile(32, 128, 8, num_warps=4, finish=True, **_FMA),
                       DecodeTile(32, 128, 4, num_warps=2, finish=True, **_FMA)),
     0.05: DecodeConfig(DecodeTile(32, 64, 8, num_warps=2, finish=True, **_FMA),
@@ -111,6 +129,27 @@ DECODE_CONFIGS = {
                        DecodeTile(64, 64, 4, num_warps=2, **_FMA)),
     0.5: DecodeConfig(DecodeTile(32, 64, 4, num_warps=2, **_FMA), DecodeTile(32, 128, 4, num_warps=2, **_FMA)),
     1.0: DecodeConfig(DecodeTile(64, 128, 1, 16, True, True, 4, 3), DecodeTile(64, 128, 1, 16, True, True, 4, 3)),
+}
+
+
+def mma_tile(block_n: int, unroll: int, splits: int, finish: bool = False) -> DecodeTile:
+    """An MMA-fragment tile: ``block_n`` rows (16 per warp), K steps of 64 loaded ``unroll`` at a time."""
+    return DecodeTile(block_n, 64 * unroll, splits, 8, False, True, block_n // 16, 1, finish, mma=True)
+
+
+# MXFP4 / NVFP4 (bfloat16 activations, `mma_ready`), by rows per expert as above: the fastest of
+# benchmarks/mxfp4_decode.py's sweeps on an H200 with the MMA-fragment tiles (session 14,
+# benchmarks/results/fp4_gemv_decode_nvidia-h200.md: GPT-OSS-120B MXFP4 at M = 1, 2, 4, 8, 16, 32, 64 and
+# Qwen3-30B-A3B NVFP4 at M = 1, 2, 4, 8, 16, 32, 64). Where the two models share a bucket and disagree, GPT-OSS's
+# pick (Qwen3 at M = 2 and 4 then 4-6% off its own best). ``finish`` acts for one token only.
+DECODE_CONFIGS = {
+    0.0: DecodeConfig(mma_tile(32, 2, 8, finish=True), mma_tile(32, 2, 8, finish=True)),
+    0.05: DecodeConfig(mma_tile(32, 2, 4, finish=True), mma_tile(32, 2, 4, finish=True)),
+    0.1: DecodeConfig(mma_tile(32, 2, 4), mma_tile(32, 2, 4)),
+    0.25: DecodeConfig(mma_tile(32, 2, 2), mma_tile(32, 2, 2)),
+    0.5: DecodeConfig(mma_tile(64, 2, 1), mma_tile(64, 2, 1)),
+    1.0: DecodeConfig(mma_tile(64, 1, 1), mma_tile(64, 2, 1)),
+    4.0: DecodeConfig(mma_tile(64, 2, 1), mma_tile(64, 2, 1)),
 }
 
 
@@ -131,8 +170,10 @@ def _bucket(configs: dict, key: float) -> DecodeConfig:
 
 
 def decode_config(rows_per_expert: float) -> DecodeConfig:
-    """MXFP4 / NVFP4 / MXFP8 weights' config for ``rows_per_expert`` = slots / local experts."""
-    return _bucket(DECODE_CONFIGS, rows_per_expert)
+    """MXFP4 / NVFP4 / MXFP8 weights' config for ``rows_per_expert`` = slots / local experts, with the FMA and
+    tensor-core tiles' config of that bucket as its fallback."""
+    return dataclasses.replace(_bucket(DECODE_CONFIGS, rows_per_expert),
+                               fallback=_bucket(FALLBACK_DECODE_CONFIGS, rows_per_expert))
 
 
 def fp8_decode_config(num_tokens: int) -> DecodeConfig:
@@ -204,7 +245,7 @@ def tile_asm(tile: DecodeTile, weights: TritonWeights, x: torch.Tensor) -> bool:
     tiles on SM89+ (`converts_e4m3`; an A100 takes their integer path)."""
     if not tile.asm or weights.w13.fmt not in (QuantFormat.MXFP4, QuantFormat.NVFP4):
         return False
-    if tile.dot:
+    if tile.dot or tile.mma:
         return packed_dequantization(weights, x)
     return x.is_cuda and converts_e4m3(x.device)
 
@@ -238,10 +279,12 @@ def _routing(ids: torch.Tensor, weights: TritonWeights, num_local: int, workspac
                     min(slots, num_local), True, num_local)
 
 
-def _finishes(tile: DecodeTile, rows: int, n_out: int, tickets: torch.Tensor | None) -> bool:
+def _finishes(tile: DecodeTile, routing: _Routing, rows: int, n_out: int, tickets: torch.Tensor | None) -> bool:
     """Whether a GEMM of ``tile`` applies its split epilogue itself (`_decode._finish_if_last`): a ``finish``
-    tile (one-row programs: the ticket is a scalar atomic) and a ticket for each of ``rows`` x its N tiles."""
-    return tile.finish and tickets is not None and rows * cdiv(n_out, tile.block_n) <= tickets.numel()
+    tile whose programs take one slot each (the ticket is a scalar atomic: FMA tiles always, MMA tiles for one
+    token) and a ticket for each of ``rows`` x its N tiles."""
+    one_slot = not tile.mma or not routing.grouped
+    return tile.finish and one_slot and tickets is not None and rows * cdiv(n_out, tile.block_n) <= tickets.numel()
 
 
 def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor | None, part: torch.Tensor, routing: _Routing,
@@ -257,31 +300,60 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor | None, part: tor
     if fp8 and FP8_GROUP_SIZE % tile.block_k:
         raise MoEConfigError(f"fp8 decode tiles need block_k dividing the {FP8_GROUP_SIZE}-column K step "
                              f"(got {tile.block_k}); use 32, 64 or 128")
-    if not fp8 and not tile.dot and tile.block_m != 1:
+    if not fp8 and not tile.dot and not tile.mma and tile.block_m != 1:
         raise MoEConfigError(f"{w.fmt.value} FMA decode tiles take one row at a time: block_m must be 1 "
                              f"(got {tile.block_m}); use dot=True for 16-row tiles")
+    if tile.mma:
+        _check_mma(a, w, n_out, gated, asm)
     fused = tile.splits == 1 and out is not None and activation is not None
     to_out = fused or finish != 0
     has_map = routing.expert_map is not None
     grid = (cdiv(n_out, tile.block_n) * tile.splits, routing.groups)
     dummy = w.data
+    frags = w.fragments if tile.mma else None
     kernels("decode").decode_gemm_kernel[grid](
         a, w.data, w.scale, w.global_scale if w.global_scale is not None else dummy,
         w.bias if w.bias is not None else dummy, out if to_out else part, part,
         routing.ids, routing.expert_map if has_map else routing.ids, routing.counts, routing.ends,
         routing.sorted_slots, tickets if finish else routing.ids, topk_weights if finish else part,
+        frags.words if frags else dummy, frags.scales if frags else dummy,
         routing.num_local, n_out, k, a.stride(0), w.data.stride(0), w.data.stride(1),
         *w.scale.stride(),
         w.bias.stride(0) if w.bias is not None else 0, (out if to_out else part).stride(-2),
-        part.stride(0), part.stride(1), *_activation_args(activation),
+        part.stride(0), part.stride(1), frags.words.stride(0) if frags else 0, frags.scales.stride(0) if frags else 0,
+        frags.k_blocks if frags else 0, n_out // MMA_ROWS if frags and gated else 0, *_activation_args(activation),
         GROUPED=routing.grouped, HAS_MAP=has_map, A_ROW_DIV=a_row_div, GATED=gated,
         ACTIVATION=ACTIVATION_CODES[None if activation is None else activation.kind], HAS_BIAS=w.bias is not None,
         FUSED=fused, FINISH=finish, TOP_K=top_k, SPLITS=tile.splits, E_PAD=experts_pad(routing.num_local),
         EVEN_K=k % (FP8_GROUP_SIZE if fp8 else tile.block_k) == 0,
         IEEE=a.dtype == torch.float32, DOT=tile.dot, ASM=asm, SCALES=QUANT_CODES[w.fmt], BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages, num_warps=tile.num_warps,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages, MMA=tile.mma, num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
+
+
+def mma_ready(weights: TritonWeights, x: torch.Tensor) -> bool:
+    """Whether MMA tiles (`DecodeTile.mma`) can run these weights on ``x``: `_check_mma` would pass."""
+    w13, w2 = weights.w13, weights.w2
+    return (w13.fragments is not None and w2.fragments is not None and packed_dequantization(weights, x)
+            and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and w13.k % 8 == 0 and w2.k % 8 == 0
+            and w13.data.shape[1] % (2 * MMA_ROWS) == 0)
+
+
+def _check_mma(a: torch.Tensor, w: WeightOperand, n_out: int, gated: bool, asm: bool) -> None:
+    """The MMA tiles' needs, each as a MoEConfigError naming what is off."""
+    if w.fragments is None:
+        raise MoEConfigError(f"mma=True tiles need fp4 weights prepared with their MMA fragments on a GPU "
+                             f"(got {w.fmt.value} weights without them); use an FMA or tensor-core tile")
+    if not asm:
+        raise MoEConfigError("mma=True tiles dequantize with the packed bf16 PTX: bfloat16 activations on a GPU, "
+                             f"NVFP4 or MXFP4 with scales <= 2 (got {a.dtype} activations on {a.device})")
+    if w.k % 8 or a.stride(0) % 8 or a.data_ptr() % 16:
+        raise MoEConfigError(f"mma=True tiles load 8 activations at a time: K and the row stride must be multiples "
+                             f"of 8 and the rows 16-byte aligned (got K={w.k}, stride {a.stride(0)})")
+    if gated and n_out % MMA_ROWS:
+        raise MoEConfigError(f"mma=True tiles need a gated GEMM's {n_out} rows per half to be a multiple of "
+                             f"{MMA_ROWS}; use an FMA or tensor-core tile")
 
 
 def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: TritonWeights,
@@ -294,15 +366,17 @@ def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     tokens, top_k = topk_ids.shape
     slots = tokens * top_k
     w13, w2 = weights.w13, weights.w2
+    if config.uses_mma and config.fallback is not None and not mma_ready(weights, x):
+        config = config.fallback
     routing = _routing(topk_ids, weights, num_local, workspace)
     inter = workspace["inter"][:slots]
     part1 = workspace["decode_part1"][: config.gemm1.splits, :slots]
     part2 = workspace["decode_part2"][: config.gemm2.splits, :slots]
     has_map = routing.expert_map is not None
     tickets, hidden = weights.decode_tickets, out.shape[1]
-    finish1 = config.gemm1.splits > 1 and _finishes(config.gemm1, slots, inter.shape[1], tickets)
+    finish1 = config.gemm1.splits > 1 and _finishes(config.gemm1, routing, slots, inter.shape[1], tickets)
     # GEMM2's finishing program writes a token's row once all of its k slots arrive: every expert must be here
-    finish2 = not has_map and _finishes(config.gemm2, tokens, hidden, tickets)
+    finish2 = not has_map and _finishes(config.gemm2, routing, tokens, hidden, tickets)
     _gemm(x, w13, inter, part1, routing, activation, top_k, config.gemm1, tile_asm(config.gemm1, weights, x),
           finish=_decode.FINISH_ACTIVATE if finish1 else _decode.FINISH_NONE, tickets=tickets)
     emap = routing.expert_map if has_map else routing.ids

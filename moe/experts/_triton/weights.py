@@ -31,7 +31,7 @@ import torch
 
 from moe.experts._triton.config import ConfigTable
 from moe.errors import MoEConfigError
-from moe.quant import QuantFormat
+from moe.quant import QuantFormat, unpack_e2m1
 from moe.weights import ExpertWeights
 
 MX_GROUP = 32
@@ -54,6 +54,8 @@ class WeightOperand:
     # TMA descriptors of ``data`` by (BLOCK_N, BLOCK_K), the Gluon kind by (BLOCK_N, BLOCK_K, "gluon"), built
     # once (`descriptor`): not per launch
     descriptors: dict = field(default_factory=dict, compare=False, repr=False)
+    # MXFP4 / NVFP4 on a GPU: the same weights in the MMA decode tiles' order (`mma_fragments`); else None
+    fragments: MmaFragments | None = None
 
     @property
     def k(self) -> int:
@@ -127,11 +129,14 @@ def mxfp4_scale_words(scale: torch.Tensor) -> torch.Tensor:
     return words.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
-def to_operand(q, bias: torch.Tensor | None, weight_only: bool = False) -> WeightOperand:
+def to_operand(q, bias: torch.Tensor | None, weight_only: bool = False, fragments: bool = False) -> WeightOperand:
     """``q`` (a weight `QuantizedTensor`) as the kernel reads it; ``weight_only``: fp8 payloads as their
-    uint8 bits (the module docstring; MXFP8 always)."""
+    uint8 bits (the module docstring; MXFP8 always); ``fragments``: fp4 weights also in `MmaFragments`."""
     data, scale = q.data, None if q.scale is None else q.scale.contiguous()
+    frags = None
     if q.fmt.is_packed_fp4:
+        if fragments:
+            frags = mma_fragments(unpack_e2m1(data), scale, q.fmt)
         data, scale = mxfp4_half_split(data), mxfp4_scale_words(scale)
     elif q.fmt is QuantFormat.MXFP8:
         data, scale = data.view(torch.uint8), mxfp4_scale_words(scale)
@@ -139,7 +144,7 @@ def to_operand(q, bias: torch.Tensor | None, weight_only: bool = False) -> Weigh
         data = data.view(torch.uint8)
     bias = None if bias is None else bias.float().contiguous()
     global_scale = None if q.global_scale is None else q.global_scale.float().contiguous()
-    return WeightOperand(data.contiguous(), scale, bias, q.fmt, global_scale)
+    return WeightOperand(data.contiguous(), scale, bias, q.fmt, global_scale, fragments=frags)
 
 
 def check_tma_a_weights(w: WeightOperand, a_dtype: torch.dtype) -> None:
@@ -152,12 +157,15 @@ def check_tma_a_weights(w: WeightOperand, a_dtype: torch.dtype) -> None:
 
 def prepare_triton_weights(
     weights: ExpertWeights, expert_map: list[int] | None, configs: ConfigTable, *, weight_only: bool = False,
+    fragments: bool = False,
 ) -> TritonWeights:
-    """The kernels' weights; ``weight_only``: the GEMMs will read unquantized activations (`TritonWeights`)."""
+    """The kernels' weights; ``weight_only``: the GEMMs will read unquantized activations (`TritonWeights`);
+    ``fragments``: fp4 weights also in the MMA decode tiles' order (`MmaFragments`)."""
     device = weights.device
     identity = expert_map is None or expert_map == list(range(len(expert_map)))
     map_tensor = None if identity else torch.tensor(expert_map, dtype=torch.int32, device=device)
-    w13, w2 = to_operand(weights.w13, weights.b13, weight_only), to_operand(weights.w2, weights.b2, weight_only)
+    w13 = to_operand(weights.w13, weights.b13, weight_only, fragments)
+    w2 = to_operand(weights.w2, weights.b2, weight_only, fragments)
     for _, config in configs.configs:  # the table's TMA tiles: descriptors (and their checks) at load
         for operand, tile in ((w13, config.gemm1), (w2, config.gemm2)):
             if tile.tma:  # a wgmma tile's kernel takes the Gluon kind
@@ -175,3 +183,57 @@ def mxfp4_scales_small(operand: WeightOperand) -> bool:
         return False
     words = operand.scale
     return max(int(((words >> shift) & 255).max()) for shift in (0, 8, 16, 24)) <= 128
+
+
+MMA_ROWS, MMA_K = 16, 64  # one fragment block: 16 weight rows x 64 K elements (512 bytes of e2m1)
+
+
+@dataclass(frozen=True)
+class MmaFragments:
+    """An MXFP4 / NVFP4 operand's weights and scales in the MMA tiles' register order (`mma_fragments`), a
+    second copy beside the half-split layout: ``words`` int32 ``[E, NB, KB, 32, 4]`` and ``scales`` int32
+    ``[E, NB, KB, 32]`` for NB = ceil(N / 16) row blocks and KB = ceil(K / 64) K blocks (zero-padded)."""
+
+    words: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def row_blocks(self) -> int:
+        return self.words.shape[1]
+
+    @property
+    def k_blocks(self) -> int:
+        return self.words.shape[2]
+
+
+def mma_fragments(codes: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat) -> MmaFragments:
+    """e2m1 ``codes`` uint8 ``[E, N, K]`` (one per byte) and their canonical scale bytes (``[E, N, K/32]`` e8m0 or
+    ``[E, N, K/16]`` e4m3) -> `MmaFragments`, laid out so that lane ``l = 4g + t`` of a warp holds, in its 16
+    bytes of block (row block, K block), exactly what ``mma.m16n8k16`` needs from rows ``g`` and ``g + 8``.
+
+    The K order inside an MMA is free as long as both operands agree; lane ``t`` takes K elements
+    ``8t .. 8t + 7`` of each group of 32 (so its activations are one 16-byte load), the low nibbles
+    ``8t + {0..3}`` feeding the group's first MMA, the high nibbles ``8t + {4..7}`` its second. Byte
+    ``8h + 4w + 2r + c`` of the lane: group h of the block, row ``g + 8r``, low nibble K ``32h + 8t + 2w + c``,
+    high nibble 4 further. Its scale word: bytes ``2h + r``, the scale of (row ``g + 8r``, group h), NVFP4's of the
+    16-block holding ``8t``."""
+    experts, rows, k = codes.shape
+    pad_n, pad_k = -rows % MMA_ROWS, -k % MMA_K
+    codes = torch.nn.functional.pad(codes, (0, pad_k, 0, pad_n))
+    nb, kb = codes.shape[1] // MMA_ROWS, codes.shape[2] // MMA_K
+    # dims: E, NB, r, g, KB, h, t, nibble (low / high), w, c
+    c = codes.view(experts, nb, 2, 8, kb, 2, 4, 2, 2, 2)
+    byte = c[..., 0, :, :] | (c[..., 1, :, :] << 4)  # E, NB, r, g, KB, h, t, w, c
+    byte = byte.permute(0, 1, 4, 3, 6, 5, 7, 2, 8)  # E, NB, KB, g, t, h, w, r, c
+    words = byte.reshape(experts, nb, kb, 32, 16).view(torch.int32)
+    per = MX_GROUP if fmt is QuantFormat.MXFP4 else 16
+    scale = scale.view(torch.uint8)
+    scale = torch.nn.functional.pad(scale, (0, (k + pad_k) // per - scale.shape[-1], 0, pad_n))
+    if fmt is QuantFormat.MXFP4:  # E, NB, r, g, KB, h -> one word per (g, t), the same for each t
+        s = scale.view(experts, nb, 2, 8, kb, 2).permute(0, 1, 4, 3, 5, 2)  # E, NB, KB, g, h, r
+        s = s[:, :, :, :, None].expand(experts, nb, kb, 8, 4, 2, 2)
+    else:  # 16-blocks: E, NB, r, g, KB, h, half (t // 2)
+        s = scale.view(experts, nb, 2, 8, kb, 2, 2).permute(0, 1, 4, 3, 6, 5, 2)  # E, NB, KB, g, half, h, r
+        s = s[:, :, :, :, :, None].expand(experts, nb, kb, 8, 2, 2, 2, 2)  # ..., g, half, t % 2, h, r
+    scales = s.reshape(experts, nb, kb, 32, 4).view(torch.int32).squeeze(-1)
+    return MmaFragments(words.contiguous(), scales.contiguous())

@@ -1,0 +1,288 @@
+"""The MMA-fragment decode program (`decode.DecodeTile.mma`): MXFP4 / NVFP4 weights x bfloat16 activations on
+``mma.sync.m16n8k16`` with the few activation rows as the MMA's narrow side (8 tokens) and the weights read
+straight into its A registers -- no shared memory, no layout conversion.
+
+Triton places a tensor's elements on threads as it likes, and a warp-wide MMA needs to know which lane holds
+which value. So every tensor here is one-dimensional with one element per thread (``2 * BLOCK_N`` of them:
+BLOCK_N / 16 warps), element i on thread i -- the layout Triton gives such a tensor -- and every load that
+feeds the MMA is PTX too (`_LD16`), which Triton's coalescing pass (the only one that would widen a thread's
+share) never touches. Warp w owns weight rows ``16 (tile * W + w) ..`` + 15; lane ``4g + t`` loads the 16 bytes
+`weights.mma_fragments` put there for it (rows g and g + 8, two groups of 32 along K), decodes them to bf16
+with the scale folded in (the packed PTX of `_decode`, exact where `decode.packed_dequantization` holds) and
+runs the four MMAs of the 64-column K step, accumulating token ``2t, 2t + 1``'s sums of rows g and g + 8.
+Its activations are token g's 16 contiguous bytes per group, the K order both operands agree on. ``UNROLL``
+steps' loads go out before their MMAs (Triton does not pipeline loads it cannot see). The epilogue is the
+other kinds': bias and activation with one split, partial sums otherwise (for one token the caller may
+finish them in the kernel, `_decode._finish_if_last`).
+"""
+
+import triton
+import triton.language as tl
+
+from moe.experts._triton._gemm import _NVFP4, _activate, _e4m3_scaled
+from moe.experts._triton._lang import cdiv_
+
+MMA_TOKENS = 8  # the MMA's N: tokens per pass over an expert's weights
+
+
+# The packed bf16x2 dequantization (shared with `_decode`'s tensor-core tiles): e2m1 codes of 4 bytes -> 8
+# bfloat16 values times the scale, 2 per register. The code's magnitude bits go to bf16 bits 6..8 (exponent
+# 7..8, top mantissa bit 6) and its sign to bit 15: that bf16 is the e2m1 value times 2**-126 (code 1 a
+# subnormal), which the fma by a scale biased by 2**126 turns into the value times the scale. prmt first puts
+# byte 0 in the low and byte 1 in the high half (then bytes 2 and 3): bits 8..11 hold the low nibble, 12..15
+# the high nibble of each half's byte.
+def e2m1_bf16x2_ptx(word: str, lo_01: str, lo_23: str, hi_01: str, hi_23: str,
+                    out_lo_01: str, out_lo_23: str, out_hi_01: str, out_hi_23: str) -> str:
+    """PTX body: the low nibbles of ``word``'s bytes 0-1 times the bf16x2 scale ``lo_01`` into ``out_lo_01``,
+    of bytes 2-3 times ``lo_23`` into ``out_lo_23``; the high nibbles likewise (``hi_*``). Needs the
+    registers t0, t1, s, m, zero (0) and negz (-0.0 twice)."""
+    return f"""
+prmt.b32 t0, {word}, zero, 0x1404;
+prmt.b32 t1, {word}, zero, 0x3424;
+shl.b32 s, t0, 4;
+shr.b32 m, t0, 2;
+and.b32 s, s, 0x80008000;
+and.b32 m, m, 0x01C001C0;
+or.b32 s, s, m;
+fma.rn.bf16x2 {out_lo_01}, s, {lo_01}, negz;
+shl.b32 s, t1, 4;
+shr.b32 m, t1, 2;
+and.b32 s, s, 0x80008000;
+and.b32 m, m, 0x01C001C0;
+or.b32 s, s, m;
+fma.rn.bf16x2 {out_lo_23}, s, {lo_23}, negz;
+shr.b32 m, t0, 6;
+and.b32 s, t0, 0x80008000;
+and.b32 m, m, 0x01C001C0;
+or.b32 s, s, m;
+fma.rn.bf16x2 {out_hi_01}, s, {hi_01}, negz;
+shr.b32 m, t1, 6;
+and.b32 s, t1, 0x80008000;
+and.b32 m, m, 0x01C001C0;
+or.b32 s, s, m;
+fma.rn.bf16x2 {out_hi_23}, s, {hi_23}, negz;
+"""
+
+
+E2M1_PTX_REGS = ".reg .b32 t0, t1, s, m, zero, negz;\nmov.b32 zero, 0;\nmov.b32 negz, 0x80008000;\n"
+
+# NVFP4's e4m3 scales reach the PTX as scale * 2**NVFP4_SCALE_BIAS: normal and finite in bf16 for every
+# code (2**-9 .. 448 -> 2**109 .. < 2**127), and the products with the e2m1 values times 2**-126 are
+# normal and exact (value * scale * 2**-8: 2**-18 .. 10.5, at most 2 + 4 significant bits of bf16's 8).
+# The rest of the 2**126, NVFP4_ASM_UNBIAS, goes into the global scale after the K sum (tests/test_nvfp4_asm.py).
+NVFP4_SCALE_BIAS = 118
+_E4M3_SCALED_TO_BIASED = tl.constexpr(2.0 ** (NVFP4_SCALE_BIAS + 8))  # `_e4m3_scaled` gives scale * 2**-8
+NVFP4_ASM_UNBIAS = tl.constexpr(2.0 ** (126 - NVFP4_SCALE_BIAS))
+
+
+@triton.jit
+def e8m0_bf16_biased(scale_bytes):
+    """2**(byte - 1) as bfloat16: the e8m0 scale times 2**126 (the packed PTX's bias). Exact for
+    bytes <= 128 (scales <= 2), which the launcher checks once at load."""
+    return ((scale_bytes + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e4m3_bf16_biased(scale_bytes):
+    """The e4m3 scale times 2**NVFP4_SCALE_BIAS as bfloat16, exact for every byte (0x7F/0xFF read as
+    480, as `_e4m3_scaled` reads them); the e2m1 products then lack a factor NVFP4_ASM_UNBIAS."""
+    return (_e4m3_scaled(scale_bytes, tl.float32) * _E4M3_SCALED_TO_BIASED).to(tl.bfloat16)
+
+
+_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+# One 64-column K step of one lane: $4..$7 its weight words (group 0: $4, $5; group 1: $6, $7), $8..$11 the
+# scales as bf16x2 pairs (row g / g + 8 of group 0, then of group 1), $12..$19 its activations (group 0's 8
+# bf16, then group 1's), $20..$23 the accumulators in; $0..$3 out, written by the last MMA only (no input
+# is read after an output is written, so they may share registers).
+MMA_STEP_PTX = tl.constexpr("{\n" + E2M1_PTX_REGS + ".reg .b32 a<16>;\n.reg .f32 d<4>;\n"
+                            + e2m1_bf16x2_ptx("$4", "$8", "$9", "$8", "$9", "a0", "a1", "a4", "a5")
+                            + e2m1_bf16x2_ptx("$5", "$8", "$9", "$8", "$9", "a2", "a3", "a6", "a7")
+                            + e2m1_bf16x2_ptx("$6", "$10", "$11", "$10", "$11", "a8", "a9", "a12", "a13")
+                            + e2m1_bf16x2_ptx("$7", "$10", "$11", "$10", "$11", "a10", "a11", "a14", "a15")
+                            + f"{_MMA} {{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, {{$12, $13}}, {{$20, $21, $22, $23}};\n"
+                            + f"{_MMA} {{d0, d1, d2, d3}}, {{a4, a5, a6, a7}}, {{$14, $15}}, {{d0, d1, d2, d3}};\n"
+                            + f"{_MMA} {{d0, d1, d2, d3}}, {{a8, a9, a10, a11}}, {{$16, $17}}, {{d0, d1, d2, d3}};\n"
+                            + f"{_MMA} {{$0, $1, $2, $3}}, {{a12, a13, a14, a15}}, {{$18, $19}}, {{d0, d1, d2, d3}};\n"
+                            + "}")
+
+# 16 bytes at $4 into $0..$3 where $5 != 0, else zeros (read-only data: the non-coherent path)
+_LD16 = tl.constexpr("""{
+.reg .pred p;
+setp.ne.b32 p, $5, 0;
+@p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];
+@!p mov.b32 $0, 0;
+@!p mov.b32 $1, 0;
+@!p mov.b32 $2, 0;
+@!p mov.b32 $3, 0;
+}""")
+
+
+@triton.jit
+def _ld16(ptr, pred):
+    return tl.inline_asm_elementwise(_LD16, "=r,=r,=r,=r,l,r", [ptr, pred.to(tl.int32)],
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+_LD4 = tl.constexpr("""{
+.reg .pred p;
+setp.ne.b32 p, $2, 0;
+@p ld.global.nc.b32 $0, [$1];
+@!p mov.b32 $0, 0;
+}""")
+
+
+@triton.jit
+def _ld4(ptr, pred):
+    """4 bytes at ``ptr`` where ``pred``, else 0 (as `_LD16`)."""
+    return tl.inline_asm_elementwise(_LD4, "=r,l,r", [ptr, pred.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _scale_pair(byte, SCALES: tl.constexpr):
+    """A scale byte as the packed PTX's biased bf16, in both halves of an int32."""
+    if SCALES == _NVFP4:
+        half = e4m3_bf16_biased(byte)
+    else:
+        half = e8m0_bf16_biased(byte)
+    half = half.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return half | (half << 16)
+
+
+@triton.jit
+def _weights(w_ptr, s_ptr, ok, SCALES: tl.constexpr):
+    """One K step's weight words and biased scale pairs of a lane (zeros where not ``ok``)."""
+    w0, w1, w2, w3 = _ld16(w_ptr, ok)
+    words = _ld4(s_ptr, ok)
+    return (w0, w1, w2, w3, _scale_pair(words & 255, SCALES), _scale_pair((words >> 8) & 255, SCALES),
+            _scale_pair((words >> 16) & 255, SCALES), _scale_pair((words >> 24) & 255, SCALES))
+
+
+@triton.jit
+def _loads(kk, ok, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s, GATED: tl.constexpr, SCALES: tl.constexpr):
+    """Everything K step ``kk`` reads (``ok``: the step is in the split): the activations (8 words), the gate
+    (or only) rows' weights and scales, the up rows'."""
+    k0 = kk * 64 + t * 8
+    a_lo = _ld16(x_ptrs + kk * 64, ok & tok_ok & (k0 < K))
+    a_hi = _ld16(x_ptrs + kk * 64 + 32, ok & tok_ok & (k0 + 32 < K))
+    gate = _weights(w_ptrs + kk * 128, s_ptrs + kk * 32, ok, SCALES)
+    up = gate
+    if GATED:  # the up rows: up_blocks further, same lanes, same activations
+        up = _weights(w_ptrs + up_w + kk * 128, s_ptrs + up_s + kk * 32, ok, SCALES)
+    a = (a_lo[0], a_lo[1], a_lo[2], a_lo[3], a_hi[0], a_hi[1], a_hi[2], a_hi[3])
+    return a, gate, up
+
+
+@triton.jit
+def _mma(acc, a, w):
+    """``acc`` (4 floats per lane) plus the step's four MMAs (`MMA_STEP_PTX`) on weights ``w``, activations ``a``."""
+    return tl.inline_asm_elementwise(
+        MMA_STEP_PTX, "=f,=f,=f,=f" + ",r" * 16 + ",f,f,f,f",
+        [w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7],
+         acc[0], acc[1], acc[2], acc[3]],
+        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _step(acc, up, loaded, GATED: tl.constexpr):
+    a, w_gate, w_up = loaded
+    acc = _mma(acc, a, w_gate)
+    if GATED:
+        up = _mma(up, a, w_up)
+    return acc, up
+
+
+@triton.jit
+def _store(acc, acc_up, row, tok, ok, count, start, expert, sorted_ptr, bias_ptr, out_ptr, part_ptr, split, N,
+           stride_be, stride_om, stride_ps, stride_pm, alpha, beta, limit,
+           GROUPED: tl.constexpr, GATED: tl.constexpr, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+           FUSED: tl.constexpr):
+    """One accumulator element per thread: (weight row ``row``, the chunk's token ``tok``)."""
+    ok = ok & (tok < count)
+    if GROUPED:
+        slot = tl.load(sorted_ptr + start + tok, mask=ok, other=0).to(tl.int64)
+    else:
+        slot = (start + tok * 0).to(tl.int64)
+    if FUSED:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + expert * stride_be + row, mask=ok, other=0.0)
+            if GATED:
+                acc_up += tl.load(bias_ptr + expert * stride_be + N + row, mask=ok, other=0.0)
+        acc = _activate(acc, acc_up, ACTIVATION, alpha, beta, limit)
+        tl.store(out_ptr + slot * stride_om + row, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        p_ptrs = part_ptr + split * stride_ps + slot * stride_pm + row
+        tl.store(p_ptrs, acc, mask=ok)
+        if GATED:
+            tl.store(p_ptrs + N, acc_up, mask=ok)
+
+
+@triton.jit
+def mma_program(a_ptr, fw_ptr, fs_ptr, wg_ptr, bias_ptr, out_ptr, part_ptr, sorted_ptr, expert, start, count,
+                N, K, stride_am, stride_fe, stride_fse, k_blocks, up_blocks, stride_be, stride_om, stride_ps,
+                stride_pm, alpha, beta, limit,
+                GROUPED: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, ACTIVATION: tl.constexpr,
+                HAS_BIAS: tl.constexpr, FUSED: tl.constexpr, SPLITS: tl.constexpr, SCALES: tl.constexpr,
+                ASM_UNBIAS: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
+    """Program (N tile x K split, expert group) of an MMA tile: ``BLOCK_N`` weight rows (16 per warp) of
+    ``expert`` over K blocks of 64, applied to the group's ``count`` slots 8 at a time."""
+    idx = tl.arange(0, 2 * BLOCK_N)
+    lane = idx % 32
+    g = lane // 4
+    t = lane % 4
+    split = tl.program_id(0) % SPLITS
+    block = (tl.program_id(0) // SPLITS) * (BLOCK_N // 16) + idx // 32
+    row = block * 16 + g  # lane 4g + t's rows: row, row + 8
+    block = tl.minimum(block, cdiv_(N, 16) - 1)  # a tail warp re-reads the last block; never stored
+    per_split = cdiv_(k_blocks, SPLITS)
+    k_first = tl.minimum(split * per_split, k_blocks)
+    k_last = tl.minimum(k_first + per_split, k_blocks)
+    w_ptrs = fw_ptr + expert * stride_fe + (block * k_blocks * 32 + lane) * 4
+    s_ptrs = fs_ptr + expert * stride_fse + block * k_blocks * 32 + lane
+    up_w = up_blocks * k_blocks * 128
+    up_s = up_blocks * k_blocks * 32
+    global_scale = 1.0
+    if SCALES == _NVFP4:  # the rest of the PTX's bias rides on the expert's global scale
+        global_scale = tl.load(wg_ptr + expert) * ASM_UNBIAS
+    for m0 in range(0, count, 8):
+        tok = m0 + g  # B's column: lane 4g + t reads token g
+        tok_ok = tok < count
+        if GROUPED:
+            slot = tl.load(sorted_ptr + start + tok, mask=tok_ok, other=0)
+        else:
+            slot = start + tok * 0
+        x_ptrs = a_ptr + (slot // A_ROW_DIV).to(tl.int64) * stride_am + t * 8
+        zero = tl.full([2 * BLOCK_N], 0, tl.float32)
+        acc, up = (zero, zero, zero, zero), (zero, zero, zero, zero)
+        # UNROLL steps' loads first, then their MMAs: that many steps of bytes in flight per warp
+        for kk in range(k_first, k_last, UNROLL):
+            first = _loads(kk, idx >= 0, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s, GATED, SCALES)
+            if UNROLL >= 2:
+                second = _loads(kk + 1, idx * 0 + kk + 1 < k_last, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s,
+                                GATED, SCALES)
+            if UNROLL == 4:
+                third = _loads(kk + 2, idx * 0 + kk + 2 < k_last, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s,
+                               GATED, SCALES)
+                fourth = _loads(kk + 3, idx * 0 + kk + 3 < k_last, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s,
+                                GATED, SCALES)
+            acc, up = _step(acc, up, first, GATED)
+            if UNROLL >= 2:
+                acc, up = _step(acc, up, second, GATED)
+            if UNROLL == 4:
+                acc, up = _step(acc, up, third, GATED)
+                acc, up = _step(acc, up, fourth, GATED)
+        acc0, acc1, acc2, acc3 = acc
+        up0, up1, up2, up3 = up
+        # lane 4g + t holds rows (g, g + 8) x tokens (2t, 2t + 1): acc0 (g, 2t), acc1 (g, 2t + 1), acc2, acc3 (g + 8)
+        _store(acc0 * global_scale, up0 * global_scale, row, m0 + 2 * t, row < N, count, start, expert, sorted_ptr,
+               bias_ptr, out_ptr, part_ptr, split, N, stride_be, stride_om, stride_ps, stride_pm, alpha, beta, limit,
+               GROUPED, GATED, ACTIVATION, HAS_BIAS, FUSED)
+        _store(acc1 * global_scale, up1 * global_scale, row, m0 + 2 * t + 1, row < N, count, start, expert,
+               sorted_ptr, bias_ptr, out_ptr, part_ptr, split, N, stride_be, stride_om, stride_ps, stride_pm, alpha,
+               beta, limit, GROUPED, GATED, ACTIVATION, HAS_BIAS, FUSED)
+        _store(acc2 * global_scale, up2 * global_scale, row + 8, m0 + 2 * t, row + 8 < N, count, start, expert,
+               sorted_ptr, bias_ptr, out_ptr, part_ptr, split, N, stride_be, stride_om, stride_ps, stride_pm, alpha,
+               beta, limit, GROUPED, GATED, ACTIVATION, HAS_BIAS, FUSED)
+        _store(acc3 * global_scale, up3 * global_scale, row + 8, m0 + 2 * t + 1, row + 8 < N, count, start, expert,
+               sorted_ptr, bias_ptr, out_ptr, part_ptr, split, N, stride_be, stride_om, stride_ps, stride_pm, alpha,
+               beta, limit, GROUPED, GATED, ACTIVATION, HAS_BIAS, FUSED)
