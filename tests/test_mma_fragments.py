@@ -1,7 +1,7 @@
 """`weights.mma_fragments`: the MMA decode tiles' weight order, checked by running what each lane does.
 
 The GPU kernel (`_decode_mma`) cannot run in the interpreter (its loads and MMAs are PTX), so this test
-plays every lane of a warp in torch: it reads the lane's 16 bytes and scale word as `MMA_STEP_PTX` does,
+plays every lane of a warp in torch: it reads the lane's 4 words and scale word with the PTX's bit operations,
 builds the four ``m16n8k16`` MMAs' A and B fragments from the registers as PTX defines them (lane 4g + t:
 A rows g and g + 8 at K columns 2t, 2t + 1, 2t + 8, 2t + 9; B column g at the same K), and checks that the
 sum of the MMAs over the K blocks is the dequantized weights times the activations.
@@ -10,13 +10,24 @@ sum of the MMAs over the K blocks is the dequantized weights times the activatio
 import pytest
 import torch
 
-from moe.experts._triton.weights import MMA_K, MMA_ROWS, mma_fragments
+from moe.experts._triton.weights import FRAGMENT_BITS, MMA_K, MMA_ROWS, fragment_words, mma_fragments
 from moe.errors import MoEConfigError
-from moe.quant import QuantFormat, decode_e2m1, dequantize, quantize, unpack_e2m1
+from moe.quant import QuantFormat, decode_e2m1, dequantize, quantize
 
 
-def _bytes(words: torch.Tensor) -> torch.Tensor:
-    return words.contiguous().view(torch.uint8).view(*words.shape[:-1], 16)
+M = 0x81C081C0  # bf16 bits 6..8 and 15 of both halves
+
+
+def _registers(word: int) -> list[int]:
+    """`_decode_mma.e2m1_fragment_ptx`'s bit operations on one word: its 4 bf16x2 registers before the scale."""
+    word &= 0xFFFFFFFF
+    r3 = ((word >> 4) & 0x00400040) | ((word >> 6) & 0x01800180) | ((word << 4) & 0x80008000)
+    return [word & M, (word << 3) & M, (word << 6) & M, r3 & 0xFFFFFFFF]
+
+
+def _bf16(bits: int) -> float:
+    """A bf16 bit pattern's value times 2**126 (the PTX's bias, undone by the biased scale)."""
+    return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float().item() * 2.0**126
 
 
 def _scale_values(byte: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
@@ -37,26 +48,37 @@ def _warp_product(frags, fmt: QuantFormat, x: torch.Tensor, expert: int, block: 
         b = torch.zeros(4, 16, 8)  # B [virtual K, tokens]
         for lane in range(32):
             g, t = divmod(lane, 4)
-            data = _bytes(frags.words[expert, block, kb, lane])
             scale_bytes = frags.scales[expert, block, kb, lane].reshape(1).view(torch.uint8)
-            for word in range(4):
-                h = word // 2  # the word's group
-                codes = data[4 * word: 4 * word + 4]
-                for nibble in range(2):  # low nibbles -> the group's first MMA, high -> its second
-                    mma = 2 * h + nibble
-                    values = decode_e2m1((codes >> (4 * nibble)) & 15)
-                    # register r of the A fragment: bytes 0-1 (row g), 2-3 (row g + 8); word 2h + 1 holds R2, R3
-                    for byte in range(4):
-                        r = byte // 2
-                        scale = _scale_values(scale_bytes[2 * h + r], fmt)
-                        column = 2 * t + byte % 2 + 8 * (word % 2)
-                        a[mma, g + 8 * r, column] = values[byte] * scale
+            for index in range(4):  # word 2h + w: group h; w = 0 -> A registers R0, R1; w = 1 -> R2, R3
+                h, w = divmod(index, 2)
+                for j, bits in enumerate(_registers(int(frags.words[expert, block, kb, lane, index]))):
+                    mma, r = 2 * h + j // 2, j % 2  # j: (first MMA, second MMA) x (row g, row g + 8)
+                    scale = _scale_values(scale_bytes[2 * h + r], fmt)
+                    for half in range(2):
+                        value = _bf16((bits >> (16 * half)) & 0xFFFF) * scale
+                        a[mma, g + 8 * r, 2 * t + 8 * w + half] = value  # fragment register 2w + r
             for mma in range(4):  # B: lane 4g + t holds token g at virtual K 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1)
-                h, nibble = divmod(mma, 2)
-                first = kb * MMA_K + 32 * h + 8 * t + 4 * nibble  # the lane's 16-byte activation load
+                h, second = divmod(mma, 2)
+                first = kb * MMA_K + 32 * h + 8 * t + 4 * second  # the lane's 16-byte activation load
                 b[mma, [2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9], g] = xs[g, first: first + 4]
         out += sum(a[i] @ b[i] for i in range(4))
     return out[:, :tokens]
+
+
+def test_fragment_words_use_every_bit_once():
+    bits = [p + 16 * h for places in FRAGMENT_BITS for p in places for h in range(2)]
+    assert sorted(bits) == list(range(32))
+    codes = torch.arange(16, dtype=torch.uint8)
+    for j in range(4):  # each code alone in each place reads back as its e2m1 value
+        for half in range(2):
+            for code in codes:
+                c = torch.zeros(4, 2, dtype=torch.uint8)
+                c[j, half] = code
+                word = int(fragment_words(c))
+                got = [_bf16((r >> (16 * hh)) & 0xFFFF) for r in _registers(word) for hh in range(2)]
+                want = [0.0] * 8
+                want[2 * j + half] = float(decode_e2m1(code.reshape(1)))
+                assert got == want, (j, half, int(code))
 
 
 @pytest.mark.parametrize("fmt", [QuantFormat.MXFP4, QuantFormat.NVFP4])
@@ -65,7 +87,7 @@ def test_each_lanes_mmas_sum_to_the_weights_times_the_activations(fmt, rows, k):
     torch.manual_seed(0)
     w = torch.randn(2, rows, k) * torch.logspace(-2, 1, k)  # scales differ per group
     q = quantize(w, fmt, "weight")
-    frags = mma_fragments(unpack_e2m1(q.data), q.scale, fmt)
+    frags = mma_fragments(q.data, q.scale, fmt)
     assert frags.words.shape == (2, -(-rows // MMA_ROWS), -(-k // MMA_K), 32, 4)
     assert frags.scales.shape == frags.words.shape[:-1]
     dense = dequantize(q)
@@ -82,16 +104,16 @@ def test_each_lanes_mmas_sum_to_the_weights_times_the_activations(fmt, rows, k):
             assert not got[len(rows_here):].any()  # padded rows hold code 0
 
 
-def test_a_shuffled_byte_is_caught():
-    """The check above is not vacuous: swapping two bytes of one lane changes the product."""
+def test_a_swapped_word_is_caught():
+    """The check above is not vacuous: swapping two words of one lane changes the product."""
     torch.manual_seed(1)
     q = quantize(torch.randn(1, 16, 64), QuantFormat.MXFP4, "weight")
-    frags = mma_fragments(unpack_e2m1(q.data), q.scale, QuantFormat.MXFP4)
+    frags = mma_fragments(q.data, q.scale, QuantFormat.MXFP4)
     x = torch.randn(3, 64)
     good = _warp_product(frags, QuantFormat.MXFP4, x, 0, 0)
-    data = _bytes(frags.words[0, 0, 0, 5]).clone()
-    data[[0, 2]] = data[[2, 0]]  # row g's byte for row g + 8's
-    frags.words[0, 0, 0, 5] = data.view(torch.int32)
+    word = frags.words[0, 0, 0, 5, 0].clone()
+    frags.words[0, 0, 0, 5, 0] = frags.words[0, 0, 0, 5, 1]  # one word for another
+    frags.words[0, 0, 0, 5, 1] = word
     assert not torch.allclose(_warp_product(frags, QuantFormat.MXFP4, x, 0, 0), good)
 
 

@@ -89,22 +89,68 @@ def e4m3_bf16_biased(scale_bytes):
     return (_e4m3_scaled(scale_bytes, tl.float32) * _E4M3_SCALED_TO_BIASED).to(tl.bfloat16)
 
 
+def e2m1_fragment_ptx(word: str, scale_g: str, scale_g8: str, out: tuple[str, str, str, str]) -> str:
+    """PTX body: the 8 codes of a fragment word (`weights.FRAGMENT_BITS`) as 4 bf16x2 registers ``out`` (the
+    first MMA's rows g, g + 8, then the second's) times the bf16x2 scales of rows g and g + 8. Each register's
+    bits go to bf16 bits 6..8 and 15 by one shift and one AND (the last by three of each): the value times 2**-126,
+    as in `e2m1_bf16x2_ptx`, which the fma by the biased scale makes the value times the scale. Needs the
+    registers x, y, negz (-0.0 twice)."""
+    r0, r1, r2, r3 = out
+    return f"""
+and.b32 x, {word}, 0x81C081C0;
+fma.rn.bf16x2 {r0}, x, {scale_g}, negz;
+shl.b32 x, {word}, 3;
+and.b32 x, x, 0x81C081C0;
+fma.rn.bf16x2 {r1}, x, {scale_g8}, negz;
+shl.b32 x, {word}, 6;
+and.b32 x, x, 0x81C081C0;
+fma.rn.bf16x2 {r2}, x, {scale_g}, negz;
+shr.b32 x, {word}, 4;
+and.b32 x, x, 0x00400040;
+shr.b32 y, {word}, 6;
+and.b32 y, y, 0x01800180;
+or.b32 x, x, y;
+shl.b32 y, {word}, 4;
+and.b32 y, y, 0x80008000;
+or.b32 x, x, y;
+fma.rn.bf16x2 {r3}, x, {scale_g8}, negz;
+"""
+
+
+# e8m0 byte k of the scale word -> bf16x2 2**(byte - 1) in both halves (`e8m0_bf16_biased`): prmt puts the byte in
+# the low byte of both halves, + 126 and << 7 build each half's exponent (at most 9 bits: no carry between halves)
+def _e8m0_pairs_ptx(word: str, pairs: tuple[str, str, str, str]) -> str:
+    return "".join(f"prmt.b32 {p}, {word}, 0, 0x{4}{k}{4}{k};\nadd.u32 {p}, {p}, 0x007E007E;\nshl.b32 {p}, {p}, 7;\n"
+                   for k, p in enumerate(pairs))
+
+
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
-# One 64-column K step of one lane: $4..$7 its weight words (group 0: $4, $5; group 1: $6, $7), $8..$11 the
-# scales as bf16x2 pairs (row g / g + 8 of group 0, then of group 1), $12..$19 its activations (group 0's 8
-# bf16, then group 1's), $20..$23 the accumulators in; $0..$3 out, written by the last MMA only (no input
-# is read after an output is written, so they may share registers).
-MMA_STEP_PTX = tl.constexpr("{\n" + E2M1_PTX_REGS + ".reg .b32 a<16>;\n.reg .f32 d<4>;\n"
-                            + e2m1_bf16x2_ptx("$4", "$8", "$9", "$8", "$9", "a0", "a1", "a4", "a5")
-                            + e2m1_bf16x2_ptx("$5", "$8", "$9", "$8", "$9", "a2", "a3", "a6", "a7")
-                            + e2m1_bf16x2_ptx("$6", "$10", "$11", "$10", "$11", "a8", "a9", "a12", "a13")
-                            + e2m1_bf16x2_ptx("$7", "$10", "$11", "$10", "$11", "a10", "a11", "a14", "a15")
-                            + f"{_MMA} {{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, {{$12, $13}}, {{$20, $21, $22, $23}};\n"
-                            + f"{_MMA} {{d0, d1, d2, d3}}, {{a4, a5, a6, a7}}, {{$14, $15}}, {{d0, d1, d2, d3}};\n"
-                            + f"{_MMA} {{d0, d1, d2, d3}}, {{a8, a9, a10, a11}}, {{$16, $17}}, {{d0, d1, d2, d3}};\n"
-                            + f"{_MMA} {{$0, $1, $2, $3}}, {{a12, a13, a14, a15}}, {{$18, $19}}, {{d0, d1, d2, d3}};\n"
-                            + "}")
+
+def _mma_step_ptx(scale_word: bool) -> str:
+    """One 64-column K step of one lane: $4..$7 its weight words (group 0: $4, $5; group 1: $6, $7); then the scales,
+    MXFP4's word ($8, ``scale_word``) or four bf16x2 pairs ($8..$11: rows g / g + 8 of group 0, of group 1); then
+    8 registers of activations (group 0's 8 bf16, group 1's) and the 4 accumulators; $0..$3 out, written by the
+    last MMA only (no input is read after an output is written, so they may share registers)."""
+    b = 9 if scale_word else 12
+    s = ("sp0", "sp1", "sp2", "sp3") if scale_word else ("$8", "$9", "$10", "$11")
+    acc = f"${b + 8}, ${b + 9}, ${b + 10}, ${b + 11}"
+    text = "{\n.reg .b32 x, y, negz, sp<4>, a<16>;\n.reg .f32 d<4>;\nmov.b32 negz, 0x80008000;\n"
+    if scale_word:
+        text += _e8m0_pairs_ptx("$8", s)
+    text += (e2m1_fragment_ptx("$4", s[0], s[1], ("a0", "a1", "a4", "a5"))
+             + e2m1_fragment_ptx("$5", s[0], s[1], ("a2", "a3", "a6", "a7"))
+             + e2m1_fragment_ptx("$6", s[2], s[3], ("a8", "a9", "a12", "a13"))
+             + e2m1_fragment_ptx("$7", s[2], s[3], ("a10", "a11", "a14", "a15")))
+    text += (f"{_MMA} {{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, {{${b}, ${b + 1}}}, {{{acc}}};\n"
+             f"{_MMA} {{d0, d1, d2, d3}}, {{a4, a5, a6, a7}}, {{${b + 2}, ${b + 3}}}, {{d0, d1, d2, d3}};\n"
+             f"{_MMA} {{d0, d1, d2, d3}}, {{a8, a9, a10, a11}}, {{${b + 4}, ${b + 5}}}, {{d0, d1, d2, d3}};\n"
+             f"{_MMA} {{$0, $1, $2, $3}}, {{a12, a13, a14, a15}}, {{${b + 6}, ${b + 7}}}, {{d0, d1, d2, d3}};\n}}")
+    return text
+
+
+MMA_STEP_PTX = tl.constexpr(_mma_step_ptx(scale_word=False))  # NVFP4: the scales as biased bf16x2 pairs
+MMA_STEP_PTX_E8M0 = tl.constexpr(_mma_step_ptx(scale_word=True))  # MXFP4: the e8m0 word, paired in the PTX
 
 # 16 bytes at $4 into $0..$3 where $5 != 0, else zeros (read-only data: the non-coherent path)
 _LD16 = tl.constexpr("""{
@@ -139,23 +185,24 @@ def _ld4(ptr, pred):
 
 
 @triton.jit
-def _scale_pair(byte, SCALES: tl.constexpr):
-    """A scale byte as the packed PTX's biased bf16, in both halves of an int32."""
-    if SCALES == _NVFP4:
-        half = e4m3_bf16_biased(byte)
-    else:
-        half = e8m0_bf16_biased(byte)
-    half = half.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+def _scale_pair(byte):
+    """An e4m3 scale byte as the packed PTX's biased bf16 (`e4m3_bf16_biased`), in both halves of an int32."""
+    half = e4m3_bf16_biased(byte).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     return half | (half << 16)
 
 
 @triton.jit
 def _weights(w_ptr, s_ptr, ok, SCALES: tl.constexpr):
-    """One K step's weight words and biased scale pairs of a lane (zeros where not ``ok``)."""
+    """One K step's weight words and scales of a lane (zeros where not ``ok``): MXFP4's e8m0 word as loaded, NVFP4's
+    e4m3 bytes as biased bf16x2 pairs."""
     w0, w1, w2, w3 = _ld16(w_ptr, ok)
     words = _ld4(s_ptr, ok)
-    return (w0, w1, w2, w3, _scale_pair(words & 255, SCALES), _scale_pair((words >> 8) & 255, SCALES),
-            _scale_pair((words >> 16) & 255, SCALES), _scale_pair((words >> 24) & 255, SCALES))
+    if SCALES == _NVFP4:
+        w = (w0, w1, w2, w3, _scale_pair(words & 255), _scale_pair((words >> 8) & 255),
+             _scale_pair((words >> 16) & 255), _scale_pair((words >> 24) & 255))
+    else:
+        w = (w0, w1, w2, w3, words)
+    return w
 
 
 @triton.jit
@@ -174,21 +221,28 @@ def _loads(kk, ok, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s, GATED: tl.c
 
 
 @triton.jit
-def _mma(acc, a, w):
-    """``acc`` (4 floats per lane) plus the step's four MMAs (`MMA_STEP_PTX`) on weights ``w``, activations ``a``."""
-    return tl.inline_asm_elementwise(
-        MMA_STEP_PTX, "=f,=f,=f,=f" + ",r" * 16 + ",f,f,f,f",
-        [w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7],
-         acc[0], acc[1], acc[2], acc[3]],
-        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+def _mma(acc, a, w, SCALES: tl.constexpr):
+    """``acc`` (4 floats per lane) plus the step's four MMAs on weights ``w`` (`_weights`), activations ``a``."""
+    if SCALES == _NVFP4:
+        out = tl.inline_asm_elementwise(
+            MMA_STEP_PTX, "=f,=f,=f,=f" + ",r" * 16 + ",f,f,f,f",
+            [w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7],
+             acc[0], acc[1], acc[2], acc[3]],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        out = tl.inline_asm_elementwise(
+            MMA_STEP_PTX_E8M0, "=f,=f,=f,=f" + ",r" * 13 + ",f,f,f,f",
+            [w[0], w[1], w[2], w[3], w[4], a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], acc[0], acc[1], acc[2],
+             acc[3]], dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    return out
 
 
 @triton.jit
-def _step(acc, up, loaded, GATED: tl.constexpr):
+def _step(acc, up, loaded, GATED: tl.constexpr, SCALES: tl.constexpr):
     a, w_gate, w_up = loaded
-    acc = _mma(acc, a, w_gate)
+    acc = _mma(acc, a, w_gate, SCALES)
     if GATED:
-        up = _mma(up, a, w_up)
+        up = _mma(up, a, w_up, SCALES)
     return acc, up
 
 
@@ -265,12 +319,12 @@ def mma_program(a_ptr, fw_ptr, fs_ptr, wg_ptr, bias_ptr, out_ptr, part_ptr, sort
                                GATED, SCALES)
                 fourth = _loads(kk + 3, idx * 0 + kk + 3 < k_last, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s,
                                 GATED, SCALES)
-            acc, up = _step(acc, up, first, GATED)
+            acc, up = _step(acc, up, first, GATED, SCALES)
             if UNROLL >= 2:
-                acc, up = _step(acc, up, second, GATED)
+                acc, up = _step(acc, up, second, GATED, SCALES)
             if UNROLL == 4:
-                acc, up = _step(acc, up, third, GATED)
-                acc, up = _step(acc, up, fourth, GATED)
+                acc, up = _step(acc, up, third, GATED, SCALES)
+                acc, up = _step(acc, up, fourth, GATED, SCALES)
         acc0, acc1, acc2, acc3 = acc
         up0, up1, up2, up3 = up
         # lane 4g + t holds rows (g, g + 8) x tokens (2t, 2t + 1): acc0 (g, 2t), acc1 (g, 2t + 1), acc2, acc3 (g + 8)

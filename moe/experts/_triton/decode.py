@@ -138,18 +138,18 @@ def mma_tile(block_n: int, unroll: int, splits: int, finish: bool = False) -> De
 
 
 # MXFP4 / NVFP4 (bfloat16 activations, `mma_ready`), by rows per expert as above: the fastest of
-# benchmarks/mxfp4_decode.py's sweeps on an H200 with the MMA-fragment tiles (session 14,
-# benchmarks/results/fp4_gemv_decode_nvidia-h200.md: GPT-OSS-120B MXFP4 at M = 1, 2, 4, 8, 16, 32, 64 and
-# Qwen3-30B-A3B NVFP4 at M = 1, 2, 4, 8, 16, 32, 64). Where the two models share a bucket and disagree, GPT-OSS's
-# pick (Qwen3 at M = 2 and 4 then 4-6% off its own best). ``finish`` acts for one token only.
+# benchmarks/mxfp4_decode.py's sweeps on an H200 with the MMA-fragment tiles (session 14, call 4:
+# benchmarks/results/fp4_gemv_decode_nvidia-h200.md; GPT-OSS-120B MXFP4 at M = 1, 2, 4, 8, 16, 32, 64 and
+# Qwen3-30B-A3B NVFP4 at M = 1, 4, 16, 64). Where the two models share a bucket and disagree, GPT-OSS's pick but
+# at 0.05 (Qwen3's one token; GPT-OSS's 2 tokens had 56.8 us on s2 tiles); neighbours within 1% share a
+# bucket. ``finish`` acts for one token only.
 DECODE_CONFIGS = {
-    0.0: DecodeConfig(mma_tile(32, 2, 8, finish=True), mma_tile(32, 2, 8, finish=True)),
+    0.0: DecodeConfig(mma_tile(64, 2, 4, finish=True), mma_tile(64, 2, 4, finish=True)),
     0.05: DecodeConfig(mma_tile(32, 2, 4, finish=True), mma_tile(32, 2, 4, finish=True)),
-    0.1: DecodeConfig(mma_tile(32, 2, 4), mma_tile(32, 2, 4)),
+    0.1: DecodeConfig(mma_tile(64, 2, 1), mma_tile(64, 2, 4)),
     0.25: DecodeConfig(mma_tile(32, 2, 2), mma_tile(32, 2, 2)),
-    0.5: DecodeConfig(mma_tile(64, 2, 1), mma_tile(64, 2, 1)),
-    1.0: DecodeConfig(mma_tile(64, 1, 1), mma_tile(64, 2, 1)),
-    4.0: DecodeConfig(mma_tile(64, 2, 1), mma_tile(64, 2, 1)),
+    1.0: DecodeConfig(mma_tile(32, 2, 2), mma_tile(64, 2, 1)),
+    2.0: DecodeConfig(mma_tile(64, 2, 1), mma_tile(64, 2, 1)),
 }
 
 

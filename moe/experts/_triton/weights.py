@@ -136,7 +136,7 @@ def to_operand(q, bias: torch.Tensor | None, weight_only: bool = False, fragment
     frags = None
     if q.fmt.is_packed_fp4:
         if fragments:
-            frags = mma_fragments(unpack_e2m1(data), scale, q.fmt)
+            frags = mma_fragments(data, scale, q.fmt)
         data, scale = mxfp4_half_split(data), mxfp4_scale_words(scale)
     elif q.fmt is QuantFormat.MXFP8:
         data, scale = data.view(torch.uint8), mxfp4_scale_words(scale)
@@ -206,26 +206,53 @@ class MmaFragments:
         return self.words.shape[2]
 
 
-def mma_fragments(codes: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat) -> MmaFragments:
+# Where code (register j, half h) of a fragment word puts its magnitude bits m0, m1, m2 and its sign: register j's
+# PTX (`_decode_mma.e2m1_fragment_ptx`) then needs one shift and one AND (j = 0: no shift; j = 3: three of each)
+# to put them at bf16 bits 6, 7, 8 and 15 of half h (+ 16 h), every bit of the word used once.
+FRAGMENT_BITS = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (10, 13, 14, 11))  # (m0, m1, m2, sign) per register
+
+
+def fragment_words(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes ``[..., 4, 2]`` (register j, half h) -> int32 words ``[...]`` in `FRAGMENT_BITS`' places."""
+    codes = codes.to(torch.int32)
+    word = torch.zeros(codes.shape[:-2], dtype=torch.int32, device=codes.device)
+    for j, places in enumerate(FRAGMENT_BITS):
+        for h in range(2):
+            for bit, place in enumerate(places):
+                word |= ((codes[..., j, h] >> bit) & 1) << (place + 16 * h)
+    return word
+
+
+FRAGMENT_CHUNK_BYTES = 1 << 26  # packed weight bytes converted at a time (the int32 temporaries are 8x as many)
+
+
+def mma_fragments(packed: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat) -> MmaFragments:
+    """`fragment_block` over ``packed`` (canonical e2m1 bytes ``[E, N, K/2]``) a few experts at a time."""
+    per_chunk = max(1, FRAGMENT_CHUNK_BYTES // max(1, packed[0].numel()))
+    parts = [fragment_block(unpack_e2m1(packed[i: i + per_chunk]), scale[i: i + per_chunk], fmt)
+             for i in range(0, len(packed), per_chunk)]
+    return MmaFragments(torch.cat([f.words for f in parts]), torch.cat([f.scales for f in parts]))
+
+
+def fragment_block(codes: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat) -> MmaFragments:
     """e2m1 ``codes`` uint8 ``[E, N, K]`` (one per byte) and their canonical scale bytes (``[E, N, K/32]`` e8m0 or
     ``[E, N, K/16]`` e4m3) -> `MmaFragments`, laid out so that lane ``l = 4g + t`` of a warp holds, in its 16
     bytes of block (row block, K block), exactly what ``mma.m16n8k16`` needs from rows ``g`` and ``g + 8``.
 
     The K order inside an MMA is free as long as both operands agree; lane ``t`` takes K elements
-    ``8t .. 8t + 7`` of each group of 32 (so its activations are one 16-byte load), the low nibbles
-    ``8t + {0..3}`` feeding the group's first MMA, the high nibbles ``8t + {4..7}`` its second. Byte
-    ``8h + 4w + 2r + c`` of the lane: group h of the block, row ``g + 8r``, low nibble K ``32h + 8t + 2w + c``,
-    high nibble 4 further. Its scale word: bytes ``2h + r``, the scale of (row ``g + 8r``, group h), NVFP4's of the
-    16-block holding ``8t``."""
+    ``8t .. 8t + 7`` of each group of 32 (so its activations are one 16-byte load), K ``8t + {0..3}`` feeding the
+    group's first MMA, ``8t + {4..7}`` its second. Word ``2h + w`` of the lane (group h of the block) holds the 8
+    codes of K ``32h + 8t + 2w + {0, 1}`` (register j = 2r, half c: row g + 8r, K + c, for the first MMA;
+    j = 2 + r the same 4 further, for the second), in `FRAGMENT_BITS`' places. Its scale word: bytes ``2h + r``,
+    the scale of (row ``g + 8r``, group h), NVFP4's of the 16-block holding ``8t``."""
     experts, rows, k = codes.shape
     pad_n, pad_k = -rows % MMA_ROWS, -k % MMA_K
     codes = torch.nn.functional.pad(codes, (0, pad_k, 0, pad_n))
     nb, kb = codes.shape[1] // MMA_ROWS, codes.shape[2] // MMA_K
-    # dims: E, NB, r, g, KB, h, t, nibble (low / high), w, c
+    # dims: E, NB, r, g, KB, h, t, MMA (K + 0 / + 4), w, c
     c = codes.view(experts, nb, 2, 8, kb, 2, 4, 2, 2, 2)
-    byte = c[..., 0, :, :] | (c[..., 1, :, :] << 4)  # E, NB, r, g, KB, h, t, w, c
-    byte = byte.permute(0, 1, 4, 3, 6, 5, 7, 2, 8)  # E, NB, KB, g, t, h, w, r, c
-    words = byte.reshape(experts, nb, kb, 32, 16).view(torch.int32)
+    c = c.permute(0, 1, 4, 3, 6, 5, 8, 7, 2, 9)  # E, NB, KB, g, t, h, w, MMA, r, c
+    words = fragment_words(c.reshape(experts, nb, kb, 32, 4, 4, 2))
     per = MX_GROUP if fmt is QuantFormat.MXFP4 else 16
     scale = scale.view(torch.uint8)
     scale = torch.nn.functional.pad(scale, (0, (k + pad_k) // per - scale.shape[-1], 0, pad_n))
