@@ -61,6 +61,11 @@ MACHINES = {
         # the whole layer at decode (benchmarks/layer_decode.py): the experts stage of each cell's oracle choice
         "layer_decode_weight_only_nvidia-h200.json": ("cells", None),
         "fp4_gemv_s13_bench_qwen3_mxfp4_flashinfer_nvidia-h200.json": ("records", None),  # Qwen3 MXFP4, FlashInfer beside
+        # session 14: the MMA-fragment decode tiles (MXFP4 / NVFP4 at M = 1-64), FlashInfer and bf16 in the same call
+        "fp4_gemv_s14_bench_mxfp4_gpt-oss_flashinfer_nvidia-h200.json": ("records", None),
+        "fp4_gemv_s14_bench_mxfp4_qwen3_flashinfer_nvidia-h200.json": ("records", None),
+        "fp4_gemv_s14_bench_nvfp4_nvidia-h200.json": ("records", None),
+        "fp4_gemv_s14_bench_bf16_nvidia-h200.json": ("records", None),
     }, "measured on nvidia-h200 (2026-11-22 and 2026-11-28; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
        "benchmarks/flashinfer_bench.py / benchmarks/ep_all_to_all.py"),
     "nvidia-h100": Machine("h100", {
