@@ -20,7 +20,9 @@ import shutil
 if not shutil.which("nvidia-smi"):  # a CPU machine: the interpreter, before triton decorates any kernel
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import re  # noqa: E402
 from contextlib import nullcontext  # noqa: E402
+from dataclasses import replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 from unittest import mock  # noqa: E402
 
@@ -254,3 +256,32 @@ def test_the_packed_nvfp4_decode_compiles_for_both_archs(compiled):
              if job.full and error is None and job.record.name == "moe.experts._triton._decode.decode_gemm_kernel"
              and dict(job.record.constexprs).get("ASM") is True and dict(job.record.constexprs)["SCALES"] == nvfp4}
     assert archs == {80, 90}
+
+
+def mma_variant(record, scales: QuantFormat, finish: int):
+    """A bfloat16 fp4 decode launch as an MMA-fragment tile would make it on a GPU (`_decode_mma`; the CPU never
+    launches one: its weights carry no fragments)."""
+    twin = launches.bfloat16_twin(record) or record
+    values = dict(twin.constexprs) | dict(MMA=True, DOT=False, ASM=True, BLOCK_M=8, BLOCK_N=32, BLOCK_K=128,
+                                          SCALES=QUANT_CODES[scales], FINISH=finish, GROUPED=finish == 0, FUSED=False)
+    return replace(twin, constexprs=tuple(values.items()), options=(("num_warps", 2), ("num_stages", 1)))
+
+
+@pytest.mark.parametrize("scales, finish", [(QuantFormat.MXFP4, 0), (QuantFormat.NVFP4, 0), (QuantFormat.MXFP4, 1)])
+def test_the_mma_decode_tiles_compile_with_one_element_per_thread(records, scales, finish):
+    """The MMA tiles' PTX addresses lanes, which holds only if Triton gives their tensors one element per thread
+    (element i on thread i): every inline-asm op in one layout of sizePerThread 1 over 32 threads per warp, no
+    layout conversion, no shared memory staging; on sm90 and sm80 (mma.sync and the bf16x2 fma are SM80+)."""
+    base = next(r for r in records if r.name == "moe.experts._triton._decode.decode_gemm_kernel"
+                and dict(r.constexprs)["GATED"] and dict(r.constexprs)["SCALES"] == QUANT_CODES[QuantFormat.MXFP4])
+    record = mma_variant(base, scales, finish)
+    with launches.Compiler(workers=1) as compiler:
+        results = [compiler.ttgir(launches.CompileJob(record, arch)) for arch in (90, 80)]
+        for error, ttgir in (future.result() for future in results):
+            assert error is None, error
+            layouts = dict(re.findall(r"^(#blocked\d*) = #ttg\.blocked<\{(.*)\}>", ttgir, re.M))
+            used = set(re.findall(r"tt\.elementwise_inline_asm .*?-> .*?(#blocked\d*)", ttgir))
+            assert used and all("sizePerThread = [1], threadsPerWarp = [32]" in layouts[u] for u in used), \
+                (used, layouts)
+            assert "convert_layout" not in ttgir and "local_alloc" not in ttgir
+            assert ttgir.count("mma.sync.aligned.m16n8k16") >= 1

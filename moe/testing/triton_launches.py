@@ -190,6 +190,16 @@ def _compile_mode(paths: list[str]) -> None:
 def compile_one(job: CompileJob) -> str | None:
     """Compiles ``job`` for its architecture with the installed Triton (no GPU needed); None, or the
     error as ``Type: message``. Must run where TRITON_INTERPRET is off (a `Compiler` worker)."""
+    return _compile(job)[0]
+
+
+def compile_ttgir(job: CompileJob) -> tuple[str | None, str]:
+    """`compile_one`'s result and, for a full compile that succeeded, the kernel's TTGIR (Triton's GPU IR: its
+    tensors' layouts); else ""."""
+    return _compile(job)
+
+
+def _compile(job: CompileJob) -> tuple[str | None, str]:
     import importlib  # noqa: PLC0415
 
     import triton  # noqa: PLC0415
@@ -205,12 +215,11 @@ def compile_one(job: CompileJob) -> str | None:
     target = GPUTarget("cuda", job.arch, 32)
     try:
         if job.full:
-            triton.compile(source, target=target, options=dict(record.options))
-        else:
-            _frontend(source, target, dict(record.options))
+            return None, triton.compile(source, target=target, options=dict(record.options)).asm["ttgir"]
+        _frontend(source, target, dict(record.options))
     except Exception as error:  # noqa: BLE001 -- reported per job, with the launch that caused it
-        return _chain(error)
-    return None
+        return _chain(error), ""
+    return None, ""
 
 
 def _chain(error: BaseException) -> str:
@@ -257,6 +266,10 @@ class Compiler:
         for job in compile_jobs(records):
             if job not in self._futures:
                 self._futures[job] = self._pool.submit(compile_one, job)
+
+    def ttgir(self, job: CompileJob):
+        """A future of `compile_ttgir` (``job`` is not among `results`)."""
+        return self._pool.submit(compile_ttgir, job)
 
     def results(self) -> dict:
         """``{job: error or None}`` of every job queued, once all are done."""

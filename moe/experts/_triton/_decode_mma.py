@@ -8,7 +8,8 @@ BLOCK_N / 16 warps), element i on thread i -- the layout Triton gives such a ten
 feeds the MMA is PTX too (`_LD16`), which Triton's coalescing pass (the only one that would widen a thread's
 share) never touches. Warp w owns weight rows ``16 (tile * W + w) ..`` + 15; lane ``4g + t`` loads the 16 bytes
 `weights.mma_fragments` put there for it (rows g and g + 8, two groups of 32 along K), decodes them to bf16
-with the scale folded in (the packed PTX of `_decode`, exact where `decode.packed_dequantization` holds) and
+with the scale folded in (`e2m1_fragment_ptx`: the bf16x2 trick of the tensor-core tiles' `e2m1_bf16x2_ptx` on
+codes pre-placed for it; exact where `decode.packed_dequantization` holds) and
 runs the four MMAs of the 64-column K step, accumulating token ``2t, 2t + 1``'s sums of rows g and g + 8.
 Its activations are token g's 16 contiguous bytes per group, the K order both operands agree on. ``UNROLL``
 steps' loads go out before their MMAs (Triton does not pipeline loads it cannot see). The epilogue is the
@@ -22,7 +23,7 @@ import triton.language as tl
 from moe.experts._triton._gemm import _NVFP4, _activate, _e4m3_scaled
 from moe.experts._triton._lang import cdiv_
 
-MMA_TOKENS = 8  # the MMA's N: tokens per pass over an expert's weights
+MMA_TOKENS = tl.constexpr(8)  # the MMA's N: tokens per pass over an expert's weights
 
 
 # The packed bf16x2 dequantization (shared with `_decode`'s tensor-core tiles): e2m1 codes of 4 bytes -> 8
@@ -298,7 +299,7 @@ def mma_program(a_ptr, fw_ptr, fs_ptr, wg_ptr, bias_ptr, out_ptr, part_ptr, sort
     global_scale = 1.0
     if SCALES == _NVFP4:  # the rest of the PTX's bias rides on the expert's global scale
         global_scale = tl.load(wg_ptr + expert) * ASM_UNBIAS
-    for m0 in range(0, count, 8):
+    for m0 in range(0, count, MMA_TOKENS):
         tok = m0 + g  # B's column: lane 4g + t reads token g
         tok_ok = tok < count
         if GROUPED:
