@@ -64,7 +64,10 @@ class DecodeTile:
     unused). ``finish`` (one-row FMA tiles): the last program to store a row's partial sums applies the
     split epilogue (`_decode._finish_if_last`) instead of an epilogue launch -- worth it where the launches
     dominate (GPT-OSS-120B MXFP4 at M = 1 on an H200: 43.0 against 45.3 us, one tile), not where many
-    programs each pay the ticket's fence (M = 16: 464 against 414)."""
+    programs each pay the ticket's fence (M = 16: 464 against 414); MMA tiles finish for one token only.
+    ``mma`` (MXFP4 / NVFP4 x bfloat16 where `mma_ready` holds): the MMA-fragment program (`_decode_mma`), 16 weight
+    rows per warp (``block_n = 16 * num_warps``), 8 tokens per pass (``block_m = 8``), K steps of 64 loaded
+    ``block_k / 64`` at a time; ``dot`` off, ``asm`` implied (`mma_tile` builds one)."""
 
     block_n: int = 32
     block_k: int = 128
@@ -333,7 +336,10 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor | None, part: tor
 
 
 def mma_ready(weights: TritonWeights, x: torch.Tensor) -> bool:
-    """Whether MMA tiles (`DecodeTile.mma`) can run these weights on ``x``: `_check_mma` would pass."""
+    """Whether MMA tiles (`DecodeTile.mma`) can run these weights on ``x``: `_check_mma` passes for both GEMMs --
+    the intermediate GEMM2 reads has w2's K as its stride and starts on the workspace's 256-byte alignment. For an
+    ungated activation this asks a little more than `_check_mma` (w13's rows a multiple of 32), and the fallback
+    runs."""
     w13, w2 = weights.w13, weights.w2
     return (w13.fragments is not None and w2.fragments is not None and packed_dequantization(weights, x)
             and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and w13.k % 8 == 0 and w2.k % 8 == 0
