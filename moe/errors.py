@@ -33,7 +33,9 @@ class WorkspaceError(MoEError, RuntimeError):
 
 
 class SlowPathWarning(UserWarning):
-    """A layer on a GPU that only the reference experts can serve (``moe.oracle.slow_path``)."""
+    """A layer on a GPU that takes a slower path than it could: one that only the reference experts can serve
+    (``moe.oracle.slow_path``), or Triton experts whose fp4 weights found no room for their MMA decode copy
+    (``moe.experts.triton.fragments_room``)."""
 
 
 class CacheWarning(UserWarning):

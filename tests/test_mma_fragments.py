@@ -10,7 +10,8 @@ sum of the MMAs over the K blocks is the dequantized weights times the activatio
 import pytest
 import torch
 
-from moe.experts._triton.weights import FRAGMENT_BITS, MMA_K, MMA_ROWS, fragment_words, mma_fragments
+from moe.experts._triton.weights import (FRAGMENT_BITS, MMA_K, MMA_ROWS, fragment_words, fragments_fit,
+                                         mma_fragment_bytes, mma_fragments)
 from moe.errors import MoEConfigError
 from moe.quant import QuantFormat, decode_e2m1, dequantize, quantize
 
@@ -125,3 +126,32 @@ def test_mma_tile_shape_is_checked():
         DecodeTile(64, 64, 4, 8, False, True, 2, 1, mma=True)
     with pytest.raises(MoEConfigError, match="block_k=64, 128 or 256"):
         DecodeTile(32, 96, 4, 8, False, True, 2, 1, mma=True)
+
+
+def test_fragment_bytes_are_what_mma_fragments_makes():
+    q = quantize(torch.randn(3, 40, 160), QuantFormat.NVFP4, "weight")  # pads rows to 48, K to 192
+    frags = mma_fragments(q.data, q.scale, QuantFormat.NVFP4)
+    assert mma_fragment_bytes(tuple(q.data.shape)) == frags.words.nbytes + frags.scales.nbytes == 3 * 3 * 3 * 32 * 20
+
+
+def test_fragments_are_skipped_with_one_warning_where_the_gpu_lacks_room(monkeypatch):
+    """`TritonExperts` makes the MMA copy only where it leaves FRAGMENT_FREE_FRACTION of the GPU free (no GPU here:
+    `torch.cuda.mem_get_info` mocked); short of room it says so once, with the numbers and the way out."""
+    from moe.errors import SlowPathWarning
+    from moe.experts import triton as triton_experts
+    from moe.weights import ExpertWeights
+
+    gib = 2**30
+    weights = ExpertWeights.from_dense(torch.randn(4, 64, 128), torch.randn(4, 128, 32), quant="mxfp4",
+                                       dtype=torch.bfloat16)
+    needed = mma_fragment_bytes(tuple(weights.w13.data.shape)) + mma_fragment_bytes(tuple(weights.w2.data.shape))
+    monkeypatch.setattr(triton_experts, "_FRAGMENTS_SKIPPED", [])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * gib, 100 * gib))
+    assert fragments_fit(torch.device("cuda"), needed)[0]
+    assert triton_experts.fragments_room(weights)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 100 * gib))  # 10% free: short
+    assert not fragments_fit(torch.device("cuda"), needed)[0]
+    with pytest.warns(SlowPathWarning, match="decode_fragments = False") as caught:
+        assert not triton_experts.fragments_room(weights)
+        assert not triton_experts.fragments_room(weights)
+    assert len(caught) == 1 and "GiB free of 100.00" in str(caught[0].message)

@@ -30,10 +30,11 @@ Launch configs come from tuned tables (``python -m moe tune``) or a default (`_t
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
-from moe.errors import MoEConfigError
+from moe.errors import MoEConfigError, SlowPathWarning
 from moe.experts._triton import cdiv
 from moe.experts._triton.align import align_block_size
 from moe.experts._triton.align import workspace_buffers as align_buffers
@@ -57,7 +58,8 @@ from moe.experts._triton.support import (
     quant_buffers,
     quantize_activation,
 )
-from moe.experts._triton.weights import TritonWeights, prepare_triton_weights
+from moe.experts._triton.weights import (FRAGMENT_FREE_FRACTION, TritonWeights, fragments_fit, mma_fragment_bytes,
+                                         prepare_triton_weights)
 from moe.experts.base import Capabilities, Experts
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput, OutputKind
 from moe.platform import Platform
@@ -100,7 +102,7 @@ class TritonExperts(Experts):
         weight_only = p.quant.is_quantized and activation_format(p, gpu_of(weights.device)) is QuantFormat.NONE
         decoded = decodes(p.quant.weight, QuantFormat.NONE if weight_only else p.quant.activation)
         fragments = (self.decode_fragments and decoded and p.quant.weight.is_packed_fp4
-                     and weights.device.type == "cuda")
+                     and weights.device.type == "cuda" and fragments_room(weights))
         prepared = prepare_triton_weights(weights, expert_map, table, weight_only=weight_only, fragments=fragments)
         if not decoded:
             return prepared
@@ -185,6 +187,24 @@ class TritonExperts(Experts):
         # 4. router weights and the sum over k
         combine_slots_kernel(y, dispatched.topk.weights, ids, weights.expert_map, out)
         return ExpertsOutput(OutputKind.REDUCED, out)
+
+
+_FRAGMENTS_SKIPPED = []  # one warning per process
+
+
+def fragments_room(weights: ExpertWeights) -> bool:
+    """Whether the GPU has room for these fp4 weights' MMA decode copy (`_triton.weights.fragments_fit`); if not,
+    one `SlowPathWarning` per process says so, and the layer decodes with the fallback tiles."""
+    needed = mma_fragment_bytes(tuple(weights.w13.data.shape)) + mma_fragment_bytes(tuple(weights.w2.data.shape))
+    fits, numbers = fragments_fit(weights.device, needed)
+    if not fits and not _FRAGMENTS_SKIPPED:
+        _FRAGMENTS_SKIPPED.append(numbers)
+        warnings.warn(f"TritonExperts: no room on {weights.device} for the MMA decode copy of a layer's fp4 weights "
+                      f"({numbers}; it would leave less than {FRAGMENT_FREE_FRACTION:.0%} free): this layer, and any "
+                      "other short of room, decodes with the slower fallback tiles. Set "
+                      "TritonExperts.decode_fragments = False to keep every layer on them without this warning.",
+                      SlowPathWarning, stacklevel=3)
+    return fits
 
 
 def triton_sizes(weights: TritonWeights) -> tuple[int, int, int]:

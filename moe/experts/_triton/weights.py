@@ -224,6 +224,26 @@ def fragment_words(codes: torch.Tensor) -> torch.Tensor:
 
 
 FRAGMENT_CHUNK_BYTES = 1 << 26  # packed weight bytes converted at a time (the int32 temporaries are 8x as many)
+FRAGMENT_BUILD_BYTES = 16 * FRAGMENT_CHUNK_BYTES  # the temporaries of one chunk's conversion, at most
+# the fragments are made only if this fraction of the GPU's memory is still free after them (`fragments_fit`)
+FRAGMENT_FREE_FRACTION = 0.1
+
+
+def mma_fragment_bytes(packed_shape: tuple[int, ...]) -> int:
+    """The bytes `mma_fragments` makes for canonical e2m1 bytes of shape ``[E, N, K/2]``: per expert, 16-row block
+    and 64-column K block, 32 lanes x (16 bytes of codes + 4 of scales)."""
+    experts, rows, half_k = packed_shape
+    return experts * -(-rows // MMA_ROWS) * -(-2 * half_k // MMA_K) * 32 * (16 + 4)
+
+
+def fragments_fit(device: torch.device, nbytes: int) -> tuple[bool, str]:
+    """Whether ``nbytes`` more of fragments (and their conversion's temporaries) leave `FRAGMENT_FREE_FRACTION` of
+    ``device``'s memory free, and the numbers, for a warning."""
+    free, total = torch.cuda.mem_get_info(device)
+    left = free - nbytes - FRAGMENT_BUILD_BYTES
+    gib = 2.0**30
+    return left >= FRAGMENT_FREE_FRACTION * total, (f"{nbytes / gib:.2f} GiB needed, {free / gib:.2f} GiB free of "
+                                                    f"{total / gib:.2f}")
 
 
 def mma_fragments(packed: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat) -> MmaFragments:
