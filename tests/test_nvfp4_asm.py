@@ -34,7 +34,7 @@ def biased_scales() -> torch.Tensor:
 
 
 def e2m1_times_2_pow_minus_126() -> torch.Tensor:
-    """What `_decode_mma.e2m1_bf16x2_ptx` builds of each code before its fma: magnitude bits at bf16 bits 6..8, sign at 15."""
+    """What `_E2M1_PTX` builds of each code before its fma: magnitude bits at bf16 bits 6..8, sign at 15."""
     return _bits_as(((CODES & 8) << 12) | ((CODES & 7) << 6), torch.bfloat16)
 
 

@@ -28,17 +28,58 @@ from moe.experts._triton._decode_fp8 import GROUP, fp8_k_loop
 from moe.experts._triton._gemm import (_FP8_BLOCK, _FP8_ROW, _MXFP8, _NVFP4, _activate, _dot, _e4m3_scaled,
                                        _e2m1_halves, _e8m0_factor, _fp4_factors, _fp4_half_tiles, _fp4_load,
                                        _fp4_scale_words, _mxfp8_tile)
-from moe.experts._triton._decode_mma import (E2M1_PTX_REGS, NVFP4_ASM_UNBIAS, NVFP4_SCALE_BIAS,  # noqa: F401
-                                             e2m1_bf16x2_ptx, e4m3_bf16_biased, e8m0_bf16_biased, mma_program)
+from moe.experts._triton._decode_mma import (NVFP4_ASM_UNBIAS, NVFP4_SCALE_BIAS,  # noqa: F401
+                                             e4m3_bf16_biased, mma_program)
 from moe.experts._triton._lang import cdiv_, cumsum_, sum_
 
-# the packed PTX on one register of 4 bytes: $0..$3 out (see `e2m1_bf16x2_ptx`), $4 the bytes; $5 / $6 the
-# scales of bytes 0-1 / 2-3, the same for their high nibbles (MXFP4: one scale per 32) or $7 / $8 (NVFP4: a
-# scale per 16; the high nibbles, elements j + 16, are the group's second block)
-_E2M1_BF16X2 = tl.constexpr("{\n" + E2M1_PTX_REGS
-                            + e2m1_bf16x2_ptx("$4", "$5", "$6", "$5", "$6", "$0", "$1", "$2", "$3") + "}")
-_E2M1_BF16X2_SPLIT = tl.constexpr("{\n" + E2M1_PTX_REGS
-                                  + e2m1_bf16x2_ptx("$4", "$5", "$6", "$7", "$8", "$0", "$1", "$2", "$3") + "}")
+# e2m1 codes of 4 bytes -> 8 bfloat16 values times the scale, 2 per register. The code's magnitude
+# bits go to bf16 bits 6..8 (exponent 7..8, top mantissa bit 6) and its sign to bit 15: that bf16
+# is the e2m1 value times 2**-126 (code 1 a subnormal), which the fma by a scale biased by 2**126
+# turns into the value times the scale. prmt first puts byte 0 in the low and byte 1 in the high half
+# (then bytes 2 and 3): bits 8..11 hold the low nibble, 12..15 the high nibble of each half's byte.
+# Scale lane i covers byte i: its low nibbles take lanes $5/$6 (bytes 0-1 / 2-3), its high nibbles
+# HI0/HI1 -- the same registers for MXFP4 (one scale per 32), $7/$8 for NVFP4 (a scale per 16: the
+# high nibbles, elements j + 16, are the group's second block).
+_E2M1_PTX = """
+{
+.reg .b32 t<2>, s, m, zero, negz;
+mov.b32 zero, 0;
+mov.b32 negz, 0x80008000;
+prmt.b32 t0, $4, zero, 0x1404;
+prmt.b32 t1, $4, zero, 0x3424;
+shl.b32 s, t0, 4;
+shr.b32 m, t0, 2;
+and.b32 s, s, 0x80008000;
+and.b32 m, m, 0x01C001C0;
+or.b32 s, s, m;
+fma.rn.bf16x2 $0, s, $5, negz;
+shl.b32 s, t1, 4;
+shr.b32 m, t1, 2;
+and.b32 s, s, 0x80008000;
+and.b32 m, m, 0x01C001C0;
+or.b32 s, s, m;
+fma.rn.bf16x2 $1, s, $6, negz;
+shr.b32 m, t0, 6;
+and.b32 s, t0, 0x80008000;
+and.b32 m, m, 0x01C001C0;
+or.b32 s, s, m;
+fma.rn.bf16x2 $2, s, HI0, negz;
+shr.b32 m, t1, 6;
+and.b32 s, t1, 0x80008000;
+and.b32 m, m, 0x01C001C0;
+or.b32 s, s, m;
+fma.rn.bf16x2 $3, s, HI1, negz;
+}
+"""
+_E2M1_BF16X2 = tl.constexpr(_E2M1_PTX.replace("HI0", "$5").replace("HI1", "$6"))
+_E2M1_BF16X2_SPLIT = tl.constexpr(_E2M1_PTX.replace("HI0", "$7").replace("HI1", "$8"))
+
+@triton.jit
+def _e8m0_bf16_biased(scale_bytes):
+    """2**(byte - 1) as bfloat16: the e8m0 scale times 2**126 (`_E2M1_BF16X2`'s bias). Exact for
+    bytes <= 128 (scales <= 2), which the launcher checks once at load."""
+    return ((scale_bytes + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
 
 # the decode GEMM's FINISH: none (the epilogue launches, or one fused split), GEMM1's or GEMM2's (`_finish_if_last`)
 FINISH_NONE, FINISH_ACTIVATE, FINISH_COMBINE = 0, 1, 2
@@ -55,7 +96,7 @@ def _e2m1_bf16x2(packed, words, shifts, SCALES: tl.constexpr):
                                               [packed, scale_low, scale_high],
                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     else:
-        scale = e8m0_bf16_biased((words >> shifts) & 255)
+        scale = _e8m0_bf16_biased((words >> shifts) & 255)
         low, high = tl.inline_asm_elementwise(_E2M1_BF16X2, "=r,=r,=r,=r,r,r,r", [packed, scale],
                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     return low, high

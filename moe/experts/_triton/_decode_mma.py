@@ -8,7 +8,7 @@ BLOCK_N / 16 warps), element i on thread i -- the layout Triton gives such a ten
 feeds the MMA is PTX too (`_LD16`), which Triton's coalescing pass (the only one that would widen a thread's
 share) never touches. Warp w owns weight rows ``16 (tile * W + w) ..`` + 15; lane ``4g + t`` loads the 16 bytes
 `weights.mma_fragments` put there for it (rows g and g + 8, two groups of 32 along K), decodes them to bf16
-with the scale folded in (`e2m1_fragment_ptx`: the bf16x2 trick of the tensor-core tiles' `e2m1_bf16x2_ptx` on
+with the scale folded in (`e2m1_fragment_ptx`: the bf16x2 trick of the tensor-core tiles' `_decode._E2M1_PTX` on
 codes pre-placed for it; exact where `decode.packed_dequantization` holds) and
 runs the four MMAs of the 64-column K step, accumulating token ``2t, 2t + 1``'s sums of rows g and g + 8.
 Its activations are token g's 16 contiguous bytes per group, the K order both operands agree on. ``UNROLL``
@@ -26,47 +26,6 @@ from moe.experts._triton._lang import cdiv_
 MMA_TOKENS = tl.constexpr(8)  # the MMA's N: tokens per pass over an expert's weights
 
 
-# The packed bf16x2 dequantization (shared with `_decode`'s tensor-core tiles): e2m1 codes of 4 bytes -> 8
-# bfloat16 values times the scale, 2 per register. The code's magnitude bits go to bf16 bits 6..8 (exponent
-# 7..8, top mantissa bit 6) and its sign to bit 15: that bf16 is the e2m1 value times 2**-126 (code 1 a
-# subnormal), which the fma by a scale biased by 2**126 turns into the value times the scale. prmt first puts
-# byte 0 in the low and byte 1 in the high half (then bytes 2 and 3): bits 8..11 hold the low nibble, 12..15
-# the high nibble of each half's byte.
-def e2m1_bf16x2_ptx(word: str, lo_01: str, lo_23: str, hi_01: str, hi_23: str,
-                    out_lo_01: str, out_lo_23: str, out_hi_01: str, out_hi_23: str) -> str:
-    """PTX body: the low nibbles of ``word``'s bytes 0-1 times the bf16x2 scale ``lo_01`` into ``out_lo_01``,
-    of bytes 2-3 times ``lo_23`` into ``out_lo_23``; the high nibbles likewise (``hi_*``). Needs the
-    registers t0, t1, s, m, zero (0) and negz (-0.0 twice)."""
-    return f"""
-prmt.b32 t0, {word}, zero, 0x1404;
-prmt.b32 t1, {word}, zero, 0x3424;
-shl.b32 s, t0, 4;
-shr.b32 m, t0, 2;
-and.b32 s, s, 0x80008000;
-and.b32 m, m, 0x01C001C0;
-or.b32 s, s, m;
-fma.rn.bf16x2 {out_lo_01}, s, {lo_01}, negz;
-shl.b32 s, t1, 4;
-shr.b32 m, t1, 2;
-and.b32 s, s, 0x80008000;
-and.b32 m, m, 0x01C001C0;
-or.b32 s, s, m;
-fma.rn.bf16x2 {out_lo_23}, s, {lo_23}, negz;
-shr.b32 m, t0, 6;
-and.b32 s, t0, 0x80008000;
-and.b32 m, m, 0x01C001C0;
-or.b32 s, s, m;
-fma.rn.bf16x2 {out_hi_01}, s, {hi_01}, negz;
-shr.b32 m, t1, 6;
-and.b32 s, t1, 0x80008000;
-and.b32 m, m, 0x01C001C0;
-or.b32 s, s, m;
-fma.rn.bf16x2 {out_hi_23}, s, {hi_23}, negz;
-"""
-
-
-E2M1_PTX_REGS = ".reg .b32 t0, t1, s, m, zero, negz;\nmov.b32 zero, 0;\nmov.b32 negz, 0x80008000;\n"
-
 # NVFP4's e4m3 scales reach the PTX as scale * 2**NVFP4_SCALE_BIAS: normal and finite in bf16 for every
 # code (2**-9 .. 448 -> 2**109 .. < 2**127), and the products with the e2m1 values times 2**-126 are
 # normal and exact (value * scale * 2**-8: 2**-18 .. 10.5, at most 2 + 4 significant bits of bf16's 8).
@@ -74,13 +33,6 @@ E2M1_PTX_REGS = ".reg .b32 t0, t1, s, m, zero, negz;\nmov.b32 zero, 0;\nmov.b32 
 NVFP4_SCALE_BIAS = 118
 _E4M3_SCALED_TO_BIASED = tl.constexpr(2.0 ** (NVFP4_SCALE_BIAS + 8))  # `_e4m3_scaled` gives scale * 2**-8
 NVFP4_ASM_UNBIAS = tl.constexpr(2.0 ** (126 - NVFP4_SCALE_BIAS))
-
-
-@triton.jit
-def e8m0_bf16_biased(scale_bytes):
-    """2**(byte - 1) as bfloat16: the e8m0 scale times 2**126 (the packed PTX's bias). Exact for
-    bytes <= 128 (scales <= 2), which the launcher checks once at load."""
-    return ((scale_bytes + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -94,7 +46,7 @@ def e2m1_fragment_ptx(word: str, scale_g: str, scale_g8: str, out: tuple[str, st
     """PTX body: the 8 codes of a fragment word (`weights.FRAGMENT_BITS`) as 4 bf16x2 registers ``out`` (the
     first MMA's rows g, g + 8, then the second's) times the bf16x2 scales of rows g and g + 8. Each register's
     bits go to bf16 bits 6..8 and 15 by one shift and one AND (the last by three of each): the value times 2**-126,
-    as in `e2m1_bf16x2_ptx`, which the fma by the biased scale makes the value times the scale. Needs the
+    as in `_decode._E2M1_PTX`, which the fma by the biased scale makes the value times the scale. Needs the
     registers x, y, negz (-0.0 twice)."""
     r0, r1, r2, r3 = out
     return f"""
@@ -118,10 +70,11 @@ fma.rn.bf16x2 {r3}, x, {scale_g8}, negz;
 """
 
 
-# e8m0 byte k of the scale word -> bf16x2 2**(byte - 1) in both halves (`e8m0_bf16_biased`): prmt puts the byte in
-# the low byte of both halves, + 126 and << 7 build each half's exponent (at most 9 bits: no carry between halves)
+# e8m0 byte k of the scale word -> bf16x2 2**(byte - 1) in both halves (`_decode._e8m0_bf16_biased`): prmt puts
+# the byte in the low byte of both halves, + 126 and << 7 build each half's exponent (at most 9 bits: no carry
+# between halves)
 def _e8m0_pairs_ptx(word: str, pairs: tuple[str, str, str, str]) -> str:
-    return "".join(f"prmt.b32 {p}, {word}, 0, 0x{4}{k}{4}{k};\nadd.u32 {p}, {p}, 0x007E007E;\nshl.b32 {p}, {p}, 7;\n"
+    return "".join(f"prmt.b32 {p}, {word}, 0, 0x4{k}4{k};\nadd.u32 {p}, {p}, 0x007E007E;\nshl.b32 {p}, {p}, 7;\n"
                    for k, p in enumerate(pairs))
 
 

@@ -336,30 +336,42 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor | None, part: tor
 
 
 def mma_ready(weights: TritonWeights, x: torch.Tensor) -> bool:
-    """Whether MMA tiles (`DecodeTile.mma`) can run these weights on ``x``: `_check_mma` passes for both GEMMs --
-    the intermediate GEMM2 reads has w2's K as its stride and starts on the workspace's 256-byte alignment. For an
-    ungated activation this asks a little more than `_check_mma` (w13's rows a multiple of 32), and the fallback
-    runs."""
+    """Whether MMA tiles (`DecodeTile.mma`) can run these weights on ``x``: `_mma_problem` finds none for GEMM1
+    (taken as gated: w13's rows a multiple of 32, a little more than an ungated one needs, which then takes the
+    fallback) nor for GEMM2, whose intermediate has w2's K as its stride and starts on the workspace's 256-byte
+    alignment."""
     w13, w2 = weights.w13, weights.w2
-    return (w13.fragments is not None and w2.fragments is not None and packed_dequantization(weights, x)
-            and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and w13.k % 8 == 0 and w2.k % 8 == 0
-            and w13.data.shape[1] % (2 * MMA_ROWS) == 0)
+    asm = packed_dequantization(weights, x)
+    return (w13.data.shape[1] % 2 == 0
+            and _mma_problem(w13, asm, x.stride(0), x.data_ptr() % 16 == 0, w13.data.shape[1] // 2, True) is None
+            and _mma_problem(w2, asm, w2.k, True, w2.data.shape[1], False) is None)
+
+
+def _mma_problem(w: WeightOperand, asm: bool, row_stride: int, aligned: bool, n_out: int, gated: bool,
+                 got: str = "") -> str | None:
+    """What keeps an MMA tile from a GEMM of ``w`` on activations with ``row_stride`` (16-byte ``aligned`` rows),
+    as an error message; None: nothing. ``got``: the activations, for the message."""
+    if w.fragments is None:
+        return (f"mma=True tiles need fp4 weights prepared with their MMA fragments on a GPU "
+                f"(got {w.fmt.value} weights without them); use an FMA or tensor-core tile")
+    if not asm:
+        return ("mma=True tiles dequantize with the packed bf16 PTX: bfloat16 activations on a GPU, "
+                f"NVFP4 or MXFP4 with scales <= 2{got}")
+    if w.k % 8 or row_stride % 8 or not aligned:
+        return (f"mma=True tiles load 8 activations at a time: K and the row stride must be multiples "
+                f"of 8 and the rows 16-byte aligned (got K={w.k}, stride {row_stride})")
+    if gated and n_out % MMA_ROWS:
+        return (f"mma=True tiles need a gated GEMM's {n_out} rows per half to be a multiple of "
+                f"{MMA_ROWS}; use an FMA or tensor-core tile")
+    return None
 
 
 def _check_mma(a: torch.Tensor, w: WeightOperand, n_out: int, gated: bool, asm: bool) -> None:
-    """The MMA tiles' needs, each as a MoEConfigError naming what is off."""
-    if w.fragments is None:
-        raise MoEConfigError(f"mma=True tiles need fp4 weights prepared with their MMA fragments on a GPU "
-                             f"(got {w.fmt.value} weights without them); use an FMA or tensor-core tile")
-    if not asm:
-        raise MoEConfigError("mma=True tiles dequantize with the packed bf16 PTX: bfloat16 activations on a GPU, "
-                             f"NVFP4 or MXFP4 with scales <= 2 (got {a.dtype} activations on {a.device})")
-    if w.k % 8 or a.stride(0) % 8 or a.data_ptr() % 16:
-        raise MoEConfigError(f"mma=True tiles load 8 activations at a time: K and the row stride must be multiples "
-                             f"of 8 and the rows 16-byte aligned (got K={w.k}, stride {a.stride(0)})")
-    if gated and n_out % MMA_ROWS:
-        raise MoEConfigError(f"mma=True tiles need a gated GEMM's {n_out} rows per half to be a multiple of "
-                             f"{MMA_ROWS}; use an FMA or tensor-core tile")
+    """The MMA tiles' needs (`_mma_problem`) as a MoEConfigError naming what is off."""
+    problem = _mma_problem(w, asm, a.stride(0), a.data_ptr() % 16 == 0, n_out, gated,
+                           f" (got {a.dtype} activations on {a.device})")
+    if problem is not None:
+        raise MoEConfigError(problem)
 
 
 def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: TritonWeights,
