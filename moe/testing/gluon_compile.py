@@ -1,4 +1,5 @@
-"""Compile `moe_gemm_fp8_wgmma_kernel` (a Gluon kernel) for sm90 on any machine, and report what ptxas says.
+"""Compile the Gluon GEMMs (`moe_gemm_fp8_wgmma_kernel`, `moe_gemm_ws_kernel`) for sm90 on any machine, and
+report what ptxas says.
 
 Gluon kernels do not run under Triton's CPU interpreter, so this is how a CPU machine checks them: the
 installed Triton's frontend and its bundled ptxas, as in tests/test_triton_compiles_for_gpu.py. Run it in a
@@ -19,13 +20,22 @@ import tempfile
 
 DEFAULTS = dict(GATED=True, ACTIVATION=1, HAS_BIAS=False, OUT_SORTED=True, E_PAD=128, BLOCK_M=64, BLOCK_N=64,
                 GROUP_M=8, STAGES=4, num_warps=4)
+# the kernels: (module, name, its extra defaults, the operands' element type and Gluon name, block_k)
+KERNELS = {
+    "fp8": ("_gemm_wgmma", "moe_gemm_fp8_wgmma_kernel", {}, "fp8e4nv", "float8e4nv", 128),
+    "ws": ("_gemm_ws", "moe_gemm_ws_kernel", dict(BLOCK_K=64, LOADER_REGS=40), "bf16", "bfloat16", 64),
+}
 
 
-def _signature(fn, consts: dict) -> dict:
+def _signature(fn, consts: dict, kernel: str) -> dict:
     from triton.experimental.gluon import language as gl
 
+    _, _, _, element, gl_name, default_k = KERNELS[kernel]
+    block_k = consts.get("BLOCK_K", default_k)
+
     def desc(rows: int) -> str:
-        return f"tensordesc<fp8e4nv[{rows}, 128],{gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)!r}>"
+        layout = gl.NVMMASharedLayout.get_default_for([rows, block_k], getattr(gl, gl_name))
+        return f"tensordesc<{element}[{rows}, {block_k}],{layout!r}>"
 
     types = {"a_desc": desc(consts["BLOCK_M"]), "w_desc": desc(consts["BLOCK_N"]), "a_scale_ptr": "*fp32",
              "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "alpha": "fp32", "beta": "fp32",
@@ -46,17 +56,24 @@ def _ptxas() -> str:
 
 
 def compile_variant(overrides: dict) -> dict:
-    """The ptxas report of one variant (`DEFAULTS` updated by ``overrides``)."""
+    """The ptxas report of one variant: ``overrides["kernel"]`` ("fp8", the default, or "ws") and its
+    `DEFAULTS` updated by the other keys (``maxnreg`` a launch option, as at launch)."""
+    import importlib
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from moe.experts._triton._gemm_wgmma import moe_gemm_fp8_wgmma_kernel as fn
-
-    consts = {**DEFAULTS, **overrides}
-    source = GluonASTSource(fn=fn, signature=_signature(fn, consts),
+    overrides = dict(overrides)
+    kernel_kind = overrides.pop("kernel", "fp8")
+    options = {"maxnreg": overrides.pop("maxnreg")} if "maxnreg" in overrides else {}
+    module, name, extra, *_ = KERNELS[kernel_kind]
+    fn = getattr(importlib.import_module(f"moe.experts._triton.{module}"), name)
+    consts = {**DEFAULTS, **extra, **overrides}
+    source = GluonASTSource(fn=fn, signature=_signature(fn, consts, kernel_kind),
                             constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=consts["num_warps"]))
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 128),
+                            options=dict(num_warps=consts["num_warps"], **options))
     ptxas = _ptxas()
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "k.ptx")

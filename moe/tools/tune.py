@@ -119,6 +119,24 @@ def wgmma_candidates(scheme: str, rows_per_expert: float, capability: tuple[int,
             config(128, 64, 128, 8, stages=3)]
 
 
+def ws_candidates(scheme: str, rows_per_expert: float, capability: tuple[int, int]) -> list[LaunchConfig]:
+    """Whole-stage configs of the warp-specialized persistent GEMMs (gemm_ws.py): bf16 / fp16 on SM90, where
+    blocks of 64+ rows fill. Like `wgmma_candidates` they go straight to the end-to-end round of `tune_bucket`
+    (both GEMMs on the sorted rows, the gather included). The fastest of session 15's H200 sweeps
+    (benchmarks/results/bf16_ws_nvidia-h200.md): 128 x (2 x 128) / 128 x 256 on 8 warps from 256 rows per
+    expert, 64-row blocks below."""
+    if scheme not in TMA_A_SCHEMES or capability != (9, 0) or rows_per_expert < 32:
+        return []
+
+    def config(block_m: int, gemm1_n: int, gemm2_n: int, warps: int, stages: int = 4) -> LaunchConfig:
+        tile = TileConfig(gemm1_n, 64, 8, warps, stages, tma=True, tma_a=True, ws=True)
+        return LaunchConfig(block_m, tile, dataclasses.replace(tile, block_n=gemm2_n))
+
+    if rows_per_expert >= 192:
+        return [config(128, 128, 256, 8), config(128, 128, 128, 8)]
+    return [config(64, 128, 256, 4), config(64, 128, 256, 8), config(128, 128, 256, 8)]
+
+
 # --- one shape ---------------------------------------------------------------------------------------
 
 
@@ -256,7 +274,7 @@ def time_configs(case: TuneCase, configs: list[LaunchConfig], rounds: int = 3) -
 def tune_bucket(case: TuneCase, scheme: str, pool: ProcessPoolExecutor, device, label: str,
                 current: LaunchConfig | None = None, finalists: int = 3) -> tuple[LaunchConfig, float]:
     """The fastest config for this M: each GEMM's tiles timed apart, per candidate BLOCK_M; then the
-    ``finalists`` best plans, the `wgmma_candidates` and the table's ``current`` one timed end to end
+    ``finalists`` best plans, the `wgmma_candidates`, the `ws_candidates` and the table's ``current`` one timed end to end
     (`time_configs`), which decides -- a tile timed alone can rank differently from the whole stage, and a
     re-tune should never replace a config by one that is slower where it counts."""
     p = case.problem
@@ -279,7 +297,8 @@ def tune_bucket(case: TuneCase, scheme: str, pool: ProcessPoolExecutor, device, 
     if not ranked:
         raise RuntimeError(f"no candidate config ran for {label}")
     finals = [c for _, c in sorted(ranked, key=lambda uc: uc[0])[:finalists]]
-    finals += wgmma_candidates(scheme, rows_per_expert, torch.cuda.get_device_capability(device))
+    capability = torch.cuda.get_device_capability(device)
+    finals += wgmma_candidates(scheme, rows_per_expert, capability) + ws_candidates(scheme, rows_per_expert, capability)
     if current is not None and current not in finals:
         finals.append(current)
     times = time_configs(case, finals)

@@ -35,14 +35,19 @@ def pointer_tiles(block_m=64) -> LaunchConfig:
     return LaunchConfig(block_m, tile, tile)
 
 
-@pytest.fixture(scope="module", params=PRESETS)
-def layer(request):
+def sm90_layer(preset: str, quant: str, kind: str):
+    """(problem, experts, prepared weights, canonical weights) of a preset up to 1024 tokens, on an SM90 GPU."""
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("wgmma tiles: SM90 (Hopper) only")
-    p = load_preset(request.param).problem(quant="fp8_block", max_tokens=1024)
+        pytest.skip(f"{kind} tiles: SM90 (Hopper) only")
+    p = load_preset(preset).problem(quant=quant, max_tokens=1024)
     weights = build_weights(p, torch.device("cuda"))
     experts = TritonExperts(p)
     return p, experts, experts.prepare_weights(weights), weights
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def layer(request):
+    return sm90_layer(request.param, "fp8_block", "wgmma")
 
 
 def dispatched_for(p, tokens):
@@ -51,20 +56,26 @@ def dispatched_for(p, tokens):
     return x, topk, Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=x, scale=None, fmt="none"), topk)
 
 
+def check_against_pointer_and_reference(layer, tokens: int, config: LaunchConfig, pointer: LaunchConfig, rel: float):
+    """``config``'s output equals ``pointer``'s (the same products; only the schedule and roundings differ) within
+    ``rel`` of its largest value, and, at 3 and 256 tokens, the float32 reference of the whole layer."""
+    p, experts, prepared, weights = layer
+    x, topk, dispatched = dispatched_for(p, tokens)
+    got = run(experts, dispatched, only(prepared, config, tokens)).float()
+    expected = run(experts, dispatched, only(prepared, pointer, tokens)).float()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, atol=rel * expected.abs().max().item(), rtol=rel)
+    if tokens in (3, 256):
+        assert_close_moe(got, reference(p, x, topk, weights), regime_for(p), context=f"{config}")
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 33, 256, 1024])
 @pytest.mark.parametrize("config", [wgmma_tiles(), wgmma_tiles(128, 8), wgmma_tiles(64, 8, gemm2_n=256),
                                     wgmma_tiles(64, 4, gemm1_n=32, stages=6)],
                          ids=["64-w4", "128-w8", "64-w8-n256", "64-w4-n32-s6"])
 def test_wgmma_equals_pointer_path_and_reference(layer, tokens, config):
-    p, experts, prepared, weights = layer
-    x, topk, dispatched = dispatched_for(p, tokens)
-    got = run(experts, dispatched, only(prepared, config, tokens)).float()
-    pointer = run(experts, dispatched, only(prepared, pointer_tiles(config.block_m), tokens)).float()
-    assert torch.isfinite(got).all()
     # the same products summed in the same K order (128-column steps); only the schedule differs
-    torch.testing.assert_close(got, pointer, atol=1e-2 * pointer.abs().max().item(), rtol=1e-2)
-    if tokens in (3, 256):
-        assert_close_moe(got, reference(p, x, topk, weights), regime_for(p), context=f"{config}")
+    check_against_pointer_and_reference(layer, tokens, config, pointer_tiles(config.block_m), 1e-2)
 
 
 def test_wgmma_cuda_graph_replay_equals_eager(layer):
@@ -72,13 +83,18 @@ def test_wgmma_cuda_graph_replay_equals_eager(layer):
     assert_replay_equals_eager_without_sync(experts, only(prepared, wgmma_tiles(), 256), p, 256)
 
 
-def test_wgmma_config_rejects_unquantized_problems():
-    """A wgmma tile on a bf16 problem is a clear error, not a wrong result."""
+def run_qwen3_under(quant: str, config: LaunchConfig) -> torch.Tensor:
+    """Qwen3-30B-A3B's experts on 64 tokens under ``config`` alone, on an SM90 GPU."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("SM90 only")
-    p = load_preset("qwen3-30b-a3b").problem(quant="bf16", max_tokens=64)
+    p = load_preset("qwen3-30b-a3b").problem(quant=quant, max_tokens=64)
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(build_weights(p, torch.device("cuda")))
     _, _, dispatched = dispatched_for(p, 64)
+    return run(experts, dispatched, only(prepared, config, 64))
+
+
+def test_wgmma_config_rejects_unquantized_problems():
+    """A wgmma tile on a bf16 problem is a clear error, not a wrong result."""
     with pytest.raises(ValueError, match="wgmma=True configs run fp8_block"):
-        run(experts, dispatched, only(prepared, wgmma_tiles(), 64))
+        run_qwen3_under("bf16", wgmma_tiles())

@@ -7,6 +7,8 @@ Layout, one concept per module; each launcher module holds the launcher and its 
     gemm.py       / _gemm.py        the grouped GEMMs: w13 with the activation fused in, then w2
     gemm_tma_a.py / _gemm_tma_a.py  tma_a=True tiles: A rows gathered in sorted order, A and W by TMA
     gemm_wgmma.py / _gemm_wgmma.py  wgmma=True tiles: fp8_block on SM90, a Gluon kernel with a pipelined wgmma
+    gemm_ws.py    / _gemm_ws.py     ws=True tiles: tma_a tiles on SM90 whose GEMM is a warp-specialized,
+                                    persistent Gluon kernel (bf16/fp16)
     rows.py       / _rows.py        per-row helpers: fp8 activation quantization, weighted sum over k
     _lang.py                        jit'd twins of triton.language helpers (interpreter-safe)
     config.py                       launch configurations: data files per shape and device, defaults

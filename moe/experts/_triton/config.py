@@ -44,6 +44,10 @@ class TileConfig:
     # scaling (gemm_wgmma.py): A gathered into sorted order, both operands by TMA into a ring of
     # num_stages buffers, one 128-column scale group per K step. Set on both GEMMs or neither.
     wgmma: bool = False
+    # dense bf16/fp16 on SM90: a tma_a tile whose GEMM is the warp-specialized, persistent Gluon kernel
+    # (gemm_ws.py): a one-warp loader partition fills a ring of num_stages buffers while the num_warps
+    # others run the wgmmas and the epilogue; one program per SM walks the tiles. block_m >= 64.
+    ws: bool = False
 
     def __post_init__(self):
         if self.tma_a and not self.tma:
@@ -53,6 +57,10 @@ class TileConfig:
             raise MoEConfigError(f"wgmma=True tiles take block_k=128 (one scale group per K step), num_stages >= 3 "
                                  f"(loads run num_stages - 2 steps ahead), num_warps 4 or 8, and tma_a=False "
                                  f"(got {self})")
+        if self.ws and (not self.tma_a or self.num_warps not in (4, 8) or self.block_k not in (32, 64, 128)
+                        or self.num_stages < 2):
+            raise MoEConfigError(f"ws=True tiles are tma_a=True tiles (A gathered, both operands by TMA) with "
+                                 f"num_warps 4 or 8, block_k 32, 64 or 128 and num_stages >= 2 (got {self})")
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,8 @@ class LaunchConfig:
                                  f"from the intermediate rows the first writes in sorted order (got {self})")
         if self.direct and self.gemm1.tma_a:
             raise MoEConfigError(f"tma_a=True tiles need sorted rows; a direct config has none (got {self})")
+        if (self.gemm1.ws or self.gemm2.ws) and self.block_m < 64:
+            raise MoEConfigError(f"ws=True tiles take block_m >= 64, 64 rows per warpgroup's wgmma (got {self})")
         if self.gemm1.wgmma != self.gemm2.wgmma or (self.direct and self.gemm1.wgmma):
             raise MoEConfigError(f"wgmma=True is set on both GEMMs of a sorted config or on neither: the second "
                                  f"GEMM reads the sorted fp8 rows the first writes (got {self})")

@@ -11,8 +11,8 @@ gathered into the `BlockLayout`'s sorted order, so that both GEMMs load A, like 
 Dense weights in the activations' dtype only (bf16/fp16; fp32 runs the same loop with IEEE products).
 ``x_sorted`` lives in the workspace's ``y`` rows (GEMM2 overwrites them after GEMM1 has read them) and
 ``inter_sorted`` in ``inter``'s; both buffers have room for the padding rows (`workspace_rows`). The
-twin is `gemm.grouped_gemm_reference` on the routed rows. The kernel is not warp-specialized: why, in
-_gemm_tma_a.py's docstring.
+twin is `gemm.grouped_gemm_reference` on the routed rows. The Triton kernel is not warp-specialized (why, in
+_gemm_tma_a.py's docstring); a ``ws`` tile runs the same flow with a Gluon kernel that is (gemm_ws.py).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from moe.experts._triton import cdiv, next_power_of_2
 from moe.experts._triton.align import BlockLayout, experts_pad, padded_rows
 from moe.experts._triton.config import BLOCK_MS, LaunchConfig, TileConfig
 from moe.experts._triton.gemm import ACTIVATION_CODES, Launch, SortedRows, grouped_gemm
+from moe.experts._triton.gemm_ws import ws_gemm_launch
 from moe.experts._triton.weights import WeightOperand, check_tma_a_weights
 
 _GATHER_BLOCK_K = 256  # columns per gather program
@@ -75,10 +76,13 @@ def _check_operands(a_sorted: torch.Tensor, w: WeightOperand) -> None:
 def tma_a_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tensor, layout: BlockLayout,
                       out_sorted: bool, activation: Activation | None, tile: TileConfig) -> Launch:
     """The launch of ``out = act(a_sorted @ w[expert].T + bias)`` over the layout's blocks; ``a_sorted``
-    holds the layout's rows in order; ``out_sorted``: output row r, else row ``slot[r]``."""
+    holds the layout's rows in order; ``out_sorted``: output row r, else row ``slot[r]``. A ``ws`` tile
+    launches the warp-specialized Gluon kernel instead (gemm_ws.py)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     _check_operands(a_sorted, w)
+    if tile.ws:
+        return ws_gemm_launch(a_sorted, w, out, layout, out_sorted, activation, tile)
     block_m = layout.block_m
     gated = activation is not None and activation.is_gated
     n_out, k = out.shape[1], w.k

@@ -64,7 +64,7 @@ class WeightOperand:
     def descriptor(self, block_n: int, block_k: int, gluon: bool = False):
         """A TMA descriptor of ``data`` as ``[E * R, K]`` with ``[block_n, block_k]`` blocks, made on
         the first request and kept (the weights do not move). ``gluon``: the Gluon kind, which carries
-        its shared-memory layout (the wgmma tiles' kernel, gemm_wgmma.py)."""
+        its shared-memory layout (the wgmma and ws tiles' kernels, gemm_wgmma.py and gemm_ws.py)."""
         key = (block_n, block_k, "gluon") if gluon else (block_n, block_k)
         if key not in self.descriptors:
             data = self.data
@@ -168,8 +168,8 @@ def prepare_triton_weights(
     w2 = to_operand(weights.w2, weights.b2, weight_only, fragments)
     for _, config in configs.configs:  # the table's TMA tiles: descriptors (and their checks) at load
         for operand, tile in ((w13, config.gemm1), (w2, config.gemm2)):
-            if tile.tma:  # a wgmma tile's kernel takes the Gluon kind
-                operand.descriptor(tile.block_n, tile.block_k, gluon=tile.wgmma)
+            if tile.tma:  # the Gluon kernels' tiles (wgmma, ws) take the Gluon kind
+                operand.descriptor(tile.block_n, tile.block_k, gluon=tile.wgmma or tile.ws)
             if tile.tma_a:
                 check_tma_a_weights(operand, operand.data.dtype)
     small = all(mxfp4_scales_small(operand) for operand in (w13, w2))

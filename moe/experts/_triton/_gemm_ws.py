@@ -1,0 +1,167 @@
+"""Gluon code of the dense grouped GEMM, warp-specialized and persistent (``TileConfig.ws``; SM90).
+
+The data flow is the TMA-A path's (gemm_tma_a.py): A is the layout's rows gathered into sorted order,
+W is ``[E * R, K]``, both loaded by TMA descriptor. What differs is how the tensor cores are kept fed:
+
+- **Persistent.** The grid is one program per SM (at most); program p takes the tiles p, p + grid, ...
+  of the (m block, n block) order, ``GROUP_M`` m blocks at a time, up to the blocks the layout uses
+  (read from ``ends_ptr`` on the GPU, so one grid serves every M and CUDA graphs replay it).
+- **Warp-specialized.** A one-warp loader partition walks the same tiles and issues every TMA load into
+  a ring of ``STAGES`` shared-memory buffers, each guarded by a "ready" and an "empty" mbarrier. The
+  default partition (``num_warps`` warps, 64 rows per warpgroup) waits for a buffer, issues its
+  wgmma, retires the previous step's wgmma and hands that step's buffer back. So the loads of the next
+  K steps, and of the next tile, run while the wgmmas and the epilogue of this one do.
+- **Gated GEMMs** issue two wgmmas per K step, gate rows ``n0..`` and up rows ``N + n0..`` of one
+  ``[2 * BLOCK_N, BLOCK_K]`` buffer into two accumulators of one layout, so the activation pairs them
+  in registers (no shared-memory staging, which would compete with the ring).
+- **The epilogue** adds the bias, applies the activation and stores from the accumulator's layout:
+  every row of the block (``OUT_SORTED``, the intermediate) or the rows holding a slot, at their slot.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+# @triton.jit functions, which Gluon kernels may call
+from moe.experts._triton._gemm import _activate, _store_sorted_block
+from moe.experts._triton._gemm_wgmma import _block_segment, _tma_load, _warps_per_cta
+
+
+@gluon.jit
+def _tile_count(ends_ptr, num_experts, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(m blocks the layout uses, n blocks, tiles): the last expert's padded end gives the blocks."""
+    num_m = gl.load(ends_ptr + num_experts - 1) // BLOCK_M
+    num_n = gl.cdiv(N, BLOCK_N)
+    return num_m, num_n, num_m * num_n
+
+
+@gluon.jit
+def _tile(t, num_m, num_n, GROUP_M: gl.constexpr):
+    """Tile ``t`` -> (m block, n block), GROUP_M m blocks at a time: tiles that run together on the
+    SMs share their weight tiles in L2."""
+    per_group = GROUP_M * num_n
+    first_m = (t // per_group) * GROUP_M
+    group_rows = gl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (t % per_group) % group_rows, (t % per_group) // group_rows
+
+
+@gluon.jit
+def _load_partition(a_desc, w_desc, a_bufs, w_bufs, ready, empty, ends_ptr, counts_ptr, num_experts, N, K, w_rows,
+                    GATED: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: the TMA loads of every K step of every tile of this program, in order, into the ring."""
+    num_m, num_n, num_tiles = _tile_count(ends_ptr, num_experts, N, BLOCK_M, BLOCK_N)
+    n_steps = gl.cdiv(K, BLOCK_K)
+    NBYTES: gl.constexpr = a_desc.block_type.nbytes + (2 if GATED else 1) * w_desc.block_type.nbytes
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        pid_m, pid_n = _tile(t, num_m, num_n, GROUP_M)
+        expert, _ = _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD, BLOCK_M, 1)
+        m0 = pid_m * BLOCK_M
+        w_row = expert * w_rows + pid_n * BLOCK_N
+        for step in range(n_steps):
+            index = it % STAGES
+            # a fresh mbarrier counts as having completed the phase before phase 0: the first lap passes
+            mbarrier.wait(empty.index(index), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(index)
+            mbarrier.expect(bar, NBYTES)
+            k = step * BLOCK_K
+            _tma_load(a_desc, [m0, k], bar, a_bufs.index(index))
+            w_buf = w_bufs.index(index)
+            if GATED:
+                _tma_load(w_desc, [w_row, k], bar, w_buf.slice(0, BLOCK_N))
+                _tma_load(w_desc, [w_row + N, k], bar, w_buf.slice(BLOCK_N, BLOCK_N))
+            else:
+                _tma_load(w_desc, [w_row, k], bar, w_buf)
+            it += 1
+
+
+@gluon.jit
+def _mma_partition(a_bufs, w_bufs, ready, empty, bias_ptr, out_ptr, rows_ptr, ends_ptr, counts_ptr,
+                   num_experts, N, K, stride_be, stride_bn, stride_om, stride_on, alpha, beta, limit,
+                   GATED: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, OUT_SORTED: gl.constexpr,
+                   E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """The default partition: each tile's wgmmas as its buffers arrive, then its epilogue."""
+    warps: gl.constexpr = _warps_per_cta(BLOCK_M, num_warps)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps,
+                                                  instr_shape=[16, BLOCK_N // warps[1], 16])
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    num_m, num_n, num_tiles = _tile_count(ends_ptr, num_experts, N, BLOCK_M, BLOCK_N)
+    n_steps = gl.cdiv(K, BLOCK_K)
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)  # the gate half when GATED
+    up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        pid_m, pid_n = _tile(t, num_m, num_n, GROUP_M)
+        expert, valid = _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD, BLOCK_M, num_warps)
+        for step in range(n_steps):
+            index = it % STAGES
+            mbarrier.wait(ready.index(index), (it // STAGES) & 1)
+            a_buf = a_bufs.index(index)
+            w_buf = w_bufs.index(index)
+            if GATED:
+                acc = warpgroup_mma(a_buf, w_buf.slice(0, BLOCK_N).permute((1, 0)), acc, use_acc=step > 0,
+                                    is_async=True)
+                up = warpgroup_mma(a_buf, w_buf.slice(BLOCK_N, BLOCK_N).permute((1, 0)), up, use_acc=step > 0,
+                                   is_async=True)
+                acc, up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, up))
+            else:
+                acc = warpgroup_mma(a_buf, w_buf.permute((1, 0)), acc, use_acc=step > 0, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            # the previous step's wgmmas have retired: its buffer goes back to the loader
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=step > 0)
+            it += 1
+        if GATED:
+            acc, up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, up))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+
+        m0 = pid_m * BLOCK_M
+        offs_m = gl.arange(0, BLOCK_M, layout=rows_l)
+        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_l)
+        cols = offs_n % N  # the tail's extra columns read valid biases; they are never stored
+        b_base = bias_ptr + expert.to(gl.int64) * stride_be
+        out = acc
+        if HAS_BIAS:
+            out += gl.expand_dims(gl.load(b_base + cols * stride_bn).to(gl.float32), 0)
+        if GATED:
+            gate_up = up
+            if HAS_BIAS:
+                gate_up += gl.expand_dims(gl.load(b_base + (cols + N) * stride_bn).to(gl.float32), 0)
+            out = _activate(out, gate_up, ACTIVATION, alpha, beta, limit)
+        _store_sorted_block(out_ptr, out, offs_m, offs_n, N, m0, valid, rows_ptr, stride_om, stride_on, OUT_SORTED,
+                            BLOCK_M)
+
+
+# the token-dependent counts are not specialized on, so one compiled kernel serves every M
+@gluon.jit(do_not_specialize=["num_experts"])
+def moe_gemm_ws_kernel(
+    a_desc, w_desc, bias_ptr, out_ptr, rows_ptr, ends_ptr, counts_ptr,
+    num_experts, N, K, w_rows, stride_be, stride_bn, stride_om, stride_on,
+    alpha, beta, limit,
+    GATED: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, OUT_SORTED: gl.constexpr,
+    E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """``out = act(a_sorted @ w[expert].T + bias[expert])`` over every (m block, n block) tile the layout
+    uses: ``a_desc`` the sorted rows ``[rows, K]`` (block ``[BLOCK_M, BLOCK_K]``), ``w_desc`` the weights
+    as ``[E * R, K]`` (block ``[BLOCK_N, BLOCK_K]``), bf16 or fp16; the module docstring says how."""
+    WIDTH: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N  # weight rows per K step
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, WIDTH, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_mma_partition, (a_bufs, w_bufs, ready, empty, bias_ptr, out_ptr, rows_ptr, ends_ptr, counts_ptr,
+                          num_experts, N, K, stride_be, stride_bn, stride_om, stride_on, alpha, beta, limit,
+                          GATED, ACTIVATION, HAS_BIAS, OUT_SORTED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                          STAGES, num_warps)),
+        (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, ends_ptr, counts_ptr, num_experts, N, K,
+                           w_rows, GATED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+    ], [1], [LOADER_REGS])

@@ -1,0 +1,90 @@
+"""The warp-specialized, persistent dense grouped GEMM (``TileConfig.ws``; SM90, Gluon).
+
+A ``ws`` tile is a ``tma_a`` tile (gemm_tma_a.py: the same row gather, the same sorted intermediate, the
+same outputs) whose GEMM is `_gemm_ws.moe_gemm_ws_kernel` instead of the Triton descriptor loop: a
+one-warp loader partition keeps a ring of ``num_stages`` TMA buffers ahead of the wgmma warps, and one
+program per SM walks the tiles, so the loads of a tile's first K steps run under the previous tile's
+last wgmmas and epilogue. Why a Gluon kernel: Triton 3.6 failed to compile, or hung, the TMA-A loop with
+``warp_specialize=True`` (benchmarks/results/tma_a_nvidia-h100.md); Gluon states the partitions, their
+barriers and their registers itself.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moe.activation import Activation
+from moe.errors import MoEConfigError
+from moe.experts._triton import cdiv
+from moe.experts._triton.align import BlockLayout, experts_pad
+from moe.experts._triton.config import TileConfig
+from moe.experts._triton.gemm import ACTIVATION_CODES, Launch
+from moe.experts._triton.weights import WeightOperand
+
+_MODULE = "gemm_ws"
+LOADER_REGS = 40  # the loader warp's registers (scalar work: the tile walk and its TMA issues)
+_REGISTER_FILE = 65536  # 32-bit registers per SM (SM90)
+
+
+def max_registers(num_warps: int) -> int:
+    """``maxnreg`` of a launch: the register file shared by the ``num_warps`` wgmma warps and the loader's
+    warpgroup (registers are allotted per warpgroup of 4 warps), a multiple of 8. The loader gives all but
+    `LOADER_REGS` back to the wgmma warps, whose accumulators need them."""
+    return min(232, _REGISTER_FILE // (32 * (num_warps + 4)) // 8 * 8)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def check_ws(device: torch.device, a_sorted: torch.Tensor, w: WeightOperand, block_m: int) -> None:
+    """What the kernel needs: an SM90 GPU (wgmma, Gluon's warp specialization), dense weights in the
+    activations' 16-bit dtype, A rows TMA can load (contiguous, 16-byte multiples), 64-row blocks."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        where = device.type if device.type != "cuda" else "SM{}{}".format(*torch.cuda.get_device_capability(device))
+        raise MoEConfigError(f"ws=True tiles run on SM90 GPUs (Hopper: warpgroup MMA), not on {where}; use a config "
+                             f"without ws here")
+    if a_sorted.dtype not in (torch.bfloat16, torch.float16) or w.data.dtype != a_sorted.dtype:
+        raise MoEConfigError(f"ws=True tiles run bf16 or fp16 activations and weights of that dtype (got "
+                             f"{a_sorted.dtype} activations, {w.fmt.value} {w.data.dtype} weights); use ws=False")
+    if block_m < 64:
+        raise MoEConfigError(f"ws=True tiles take block_m >= 64 (got {block_m})")
+
+
+def ws_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tensor, layout: BlockLayout,
+                   out_sorted: bool, activation: Activation | None, tile: TileConfig) -> Launch:
+    """The launch of ``out = act(a_sorted @ w[expert].T + bias[expert])`` over the layout's blocks, as
+    `gemm_tma_a.tma_a_gemm_launch` (which calls this for ``ws`` tiles): one program per SM, or fewer."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    block_m = layout.block_m
+    check_ws(a_sorted.device, a_sorted, w, block_m)
+    gated = activation is not None and activation.is_gated
+    n_out, k = out.shape[1], w.k
+    element = gl.bfloat16 if a_sorted.dtype == torch.bfloat16 else gl.float16
+    a_desc = TensorDescriptor(a_sorted, list(a_sorted.shape), [a_sorted.stride(0), 1], [block_m, tile.block_k],
+                              gl.NVMMASharedLayout.get_default_for([block_m, tile.block_k], element))
+    num_experts = layout.expert_counts.numel()
+    act = activation
+    params = (act.alpha, act.beta, act.limit) if act is not None and act.alpha is not None else (0.0, 0.0, 0.0)
+    bias = w.bias if w.bias is not None else w.data  # never read without HAS_BIAS
+    bias_strides = tuple(w.bias.stride()) if w.bias is not None else (0, 0)
+    args = (a_desc, w.descriptor(tile.block_n, tile.block_k, gluon=True), bias, out,
+            layout.sorted_slots, layout.expert_ends, layout.expert_counts,
+            num_experts, n_out, k, w.data.shape[1], *bias_strides, out.stride(0), out.stride(1), *params)
+    constexprs = dict(
+        GATED=gated, ACTIVATION=ACTIVATION_CODES[None if act is None else act.kind], HAS_BIAS=w.bias is not None,
+        OUT_SORTED=out_sorted, E_PAD=experts_pad(num_experts),
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        STAGES=tile.num_stages, LOADER_REGS=LOADER_REGS,
+        num_warps=tile.num_warps, maxnreg=max_registers(tile.num_warps),
+    )
+    # the most tiles any M of this layout can have: the kernel stops at those the routing filled
+    tiles = layout.max_blocks * cdiv(n_out, tile.block_n)
+    index = a_sorted.device.index if a_sorted.device.index is not None else torch.cuda.current_device()
+    grid = (max(1, min(tiles, _sm_count(index))),)
+    return Launch(grid, args, constexprs, kernel=(_MODULE, "moe_gemm_ws_kernel"))

@@ -1,0 +1,75 @@
+"""ws=True tiles (gemm_ws.py: the warp-specialized, persistent Gluon GEMM) on an SM90 GPU in bfloat16 at the
+presets' shapes: equal to the pointer path and to the float32 reference, at ragged small M too (1, 3, 33 tokens:
+most experts hit zero or one time, so most of a persistent program's tiles lie past the rows the routing
+filled), a CUDA graph replays them equal to eager without a host sync, and a layout with fewer tiles than SMs
+and one with many tiles per program both finish."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moe.errors import MoEConfigError
+from moe.experts._triton.config import LaunchConfig, TileConfig
+from tests.gpu.test_triton_gpu import assert_replay_equals_eager_without_sync, run
+from tests.gpu.test_triton_tma_a_gpu import only
+from tests.gpu.test_triton_wgmma_gpu import (check_against_pointer_and_reference, dispatched_for, run_qwen3_under,
+                                             sm90_layer)
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("triton")
+
+# Qwen3 (128 experts, gated N = 768), Mixtral (8 experts, K = 14336 in GEMM2), GPT-OSS-120B (biases,
+# swiglu_oai, N = 2880: a last n block of 64 columns), the DeepSeek-V3 slice (32 experts, K = 7168)
+PRESETS = ("qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-120b", "deepseek-v3-ep8-slice")
+
+
+def ws_tiles(block_m=128, num_warps=8, gemm1_n=128, gemm2_n=256, stages=4, block_k=64) -> LaunchConfig:
+    return LaunchConfig(block_m, TileConfig(gemm1_n, block_k, 8, num_warps, stages, tma=True, tma_a=True, ws=True),
+                        TileConfig(gemm2_n, block_k, 8, num_warps, stages, tma=True, tma_a=True, ws=True))
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def layer(request):
+    return sm90_layer(request.param, "bf16", "ws")
+
+
+def plain(config: LaunchConfig) -> LaunchConfig:
+    """The same tiles on the pointer path (A gathered by pointer loads, W by TMA)."""
+    return LaunchConfig(config.block_m, *(dataclasses.replace(t, tma_a=False, ws=False)
+                                          for t in (config.gemm1, config.gemm2)))
+
+
+CONFIGS = [ws_tiles(), ws_tiles(128, 8, 64, 128, 6), ws_tiles(64, 4, 128, 128, 4), ws_tiles(64, 8, 64, 256, 5)]
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 33, 256, 1024])
+@pytest.mark.parametrize("config", CONFIGS, ids=["128-w8", "128-w8-n64-s6", "64-w4", "64-w8-n64-s5"])
+def test_ws_equals_pointer_path_and_reference(layer, tokens, config):
+    # the same products; only the wgmma schedule and bf16 rounding of the intermediate differ
+    check_against_pointer_and_reference(layer, tokens, config, plain(config), 2e-2)
+
+
+def test_ws_cuda_graph_replay_equals_eager(layer):
+    p, experts, prepared, _ = layer
+    assert_replay_equals_eager_without_sync(experts, only(prepared, ws_tiles(), 256), p, 256)
+
+
+def test_ws_gemm1_only_feeds_the_pointer_gemm2(layer):
+    """gemm2 without tma_a: GEMM1 writes the intermediate at the slots' rows (OUT_SORTED off)."""
+    p, experts, prepared, _ = layer
+    config = ws_tiles()
+    config = LaunchConfig(config.block_m, config.gemm1,
+                          dataclasses.replace(config.gemm2, tma_a=False, ws=False, block_n=128))
+    x, topk, dispatched = dispatched_for(p, 256)
+    got = run(experts, dispatched, only(prepared, config, 256)).float()
+    pointer = run(experts, dispatched, only(prepared, plain(config), 256)).float()
+    torch.testing.assert_close(got, pointer, atol=2e-2 * pointer.abs().max().item(), rtol=2e-2)
+
+
+def test_ws_config_rejects_quantized_problems():
+    """A ws tile on an fp8 problem is a clear error naming the constraint, not a wrong result."""
+    with pytest.raises(MoEConfigError, match="tma_a=True tiles need dense weights"):
+        run_qwen3_under("fp8_block", ws_tiles())

@@ -1,0 +1,125 @@
+"""ws=True tiles (gemm_ws.py): the dense grouped GEMM as a warp-specialized, persistent Gluon kernel. Gluon does
+not run under the CPU interpreter: here the configs' rules, the register split, the errors a CPU (or a quantized
+problem) gets, and the kernel compiled for sm90 with the installed Triton (registers, spills, no wgmma
+serialized by ptxas). The numbers are checked on the GPU: tests/gpu/test_triton_ws_gpu.py.
+"""
+
+import os
+import shutil
+
+if not shutil.which("nvidia-smi"):  # a CPU machine: the interpreter, before triton decorates any kernel
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from moe.errors import MoEConfigError  # noqa: E402
+from moe.experts._triton.config import ConfigTable, LaunchConfig, TileConfig  # noqa: E402
+from moe.experts._triton.gemm_ws import LOADER_REGS, max_registers  # noqa: E402
+from moe.experts.triton import TritonExperts  # noqa: E402
+from tests.test_triton import make_problem, make_topk, make_weights  # noqa: E402
+from tests.test_triton_weight_only import run  # noqa: E402
+
+
+def ws_tile(block_n=128, num_warps=8, stages=4, **kw) -> TileConfig:
+    return TileConfig(block_n, 64, 8, num_warps, stages, tma=True, tma_a=True, ws=True, **kw)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(tma_a=False), "ws=True tiles are tma_a=True tiles"),
+    (dict(num_warps=2), "num_warps 4 or 8"),
+    (dict(block_k=16), "block_k 32, 64 or 128"),
+    (dict(num_stages=1), "num_stages >= 2"),
+])
+def test_ws_tile_rules_name_the_constraint(changes, message):
+    fields = {**dict(block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4, tma=True, tma_a=True, ws=True),
+              **changes}
+    with pytest.raises(MoEConfigError, match=message):
+        TileConfig(**fields)
+
+
+def test_ws_tiles_need_64_row_blocks():
+    with pytest.raises(MoEConfigError, match="ws=True tiles take block_m >= 64"):
+        LaunchConfig(32, ws_tile(), ws_tile())
+    assert LaunchConfig(64, ws_tile(num_warps=4), ws_tile(num_warps=4)).gemm1.ws
+
+
+def test_ws_tables_round_trip():
+    config = LaunchConfig(128, ws_tile(), dataclasses.replace(ws_tile(256), num_stages=3))
+    assert LaunchConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+@pytest.mark.parametrize("num_warps", [4, 8])
+def test_register_split_fits_the_register_file(num_warps):
+    """maxnreg for every warp (the wgmma warps plus the loader's warpgroup) fits 64K registers, in multiples of
+    8 (setmaxnreg's unit), and leaves the wgmma warps more than the loader keeps."""
+    regs = max_registers(num_warps)
+    assert regs % 8 == 0 and regs * 32 * (num_warps + 4) <= 65536
+    given_back = (regs - LOADER_REGS) * 4 * 32  # the loader warpgroup's surplus, spread over the wgmma warps
+    assert regs + given_back // (32 * num_warps) >= 200
+
+
+def test_ws_config_on_a_cpu_is_a_clear_error():
+    """A ws tile where no SM90 GPU is (here, the CPU) raises naming the tile kind and the device."""
+    p = make_problem()
+    experts = TritonExperts(p)
+    prepared = experts.prepare_weights(make_weights(p))
+    config = LaunchConfig(64, ws_tile(num_warps=4), ws_tile(num_warps=4))
+    prepared = dataclasses.replace(prepared, configs=ConfigTable(prepared.configs.key, ((16, config),)))
+    x = torch.randn(16, p.hidden_size, dtype=p.dtype)
+    with pytest.raises(MoEConfigError, match="ws=True tiles run on SM90 GPUs .* not on cpu"):
+        run(experts, prepared, x, make_topk(16, p))
+
+
+VARIANTS = [
+    # Mixtral / DeepSeek GEMM1: gated, 128 x (2 x 128), 8 warps; GEMM2 128 x 256
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8},
+    {"GATED": False, "ACTIVATION": 0, "OUT_SORTED": False, "BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 8},
+    # one warpgroup, GPT-OSS-like: swiglu_oai and biases
+    {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "ACTIVATION": 3, "HAS_BIAS": True},
+    # two warpgroups side by side along N of a 64-row block, a deeper ring
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "STAGES": 6, "E_PAD": 32},
+]
+
+
+@pytest.fixture(scope="module")
+def compiled_variants():
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="needs Triton with Gluon")
+    variants = [{"kernel": "ws", "maxnreg": max_registers(v["num_warps"]), **v} for v in VARIANTS]
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-m", "moe.testing.gluon_compile", json.dumps(variants)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    return {json.dumps(v, sort_keys=True): report[json.dumps(full, sort_keys=True)]
+            for v, full in zip(VARIANTS, variants)}
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={v[k]}" for k in v))
+def test_ws_kernel_compiles_for_sm90_without_spills_or_serialized_wgmmas(compiled_variants, variant):
+    report = compiled_variants[json.dumps(variant, sort_keys=True)]
+    assert "error" not in report, report.get("error")
+    assert report["wgmma"] > 0
+    # ptxas serializes every wgmma of a kernel when an in-flight accumulator is copied (its C7514 note): the
+    # wgmma of one K step would no longer run under the next step's wait for its buffer
+    assert not report["serialized"]
+    assert report["spill_bytes"] == 0 and report["registers"] <= max_registers(variant["num_warps"])
+
+
+def test_tuner_tries_ws_tiles_on_sm90_for_16_bit_schemes_where_blocks_fill():
+    from moe.tools.tune import ws_candidates
+
+    wide, narrow = ws_candidates("bf16", 256.0, (9, 0)), ws_candidates("fp16", 64.0, (9, 0))
+    assert wide and narrow
+    for config in wide + narrow:
+        assert config.block_m >= 64 and config.gemm1.ws and config.gemm2.ws and config.gemm1.tma_a
+    assert {c.block_m for c in narrow} >= {64}
+    assert ws_candidates("fp8_block", 256.0, (9, 0)) == []  # fp8 takes the wgmma tiles
+    assert ws_candidates("bf16", 256.0, (8, 0)) == []  # no wgmma before Hopper
+    assert ws_candidates("bf16", 256.0, (10, 0)) == []  # Blackwell: another MMA
+    assert ws_candidates("bf16", 4.0, (9, 0)) == []  # decode: the 64-row blocks would be padding
