@@ -145,11 +145,12 @@ def mma_tile(block_n: int, unroll: int, splits: int, finish: bool = False) -> De
 # benchmarks/results/fp4_gemv_decode_nvidia-h200.md; GPT-OSS-120B MXFP4 at M = 1, 2, 4, 8, 16, 32, 64 and
 # Qwen3-30B-A3B NVFP4 at M = 1, 4, 16, 64). Where the two models share a bucket and disagree, GPT-OSS's pick but
 # at 0.05 (Qwen3's one token; GPT-OSS's 2 tokens had 56.8 us on s2 tiles); neighbours within 1% share a
-# bucket. ``finish`` acts for one token only.
+# bucket. ``finish`` acts for one token only. Bucket 0.1 (Qwen3's 2-3 tokens, GPT-OSS's 4-7) from session 15's
+# sweep of both (fp4_gemv_s15_bucket01_*.json): GEMM1 on 4 splits fills the GPU for Qwen3's narrower GEMMs.
 DECODE_CONFIGS = {
     0.0: DecodeConfig(mma_tile(64, 2, 4, finish=True), mma_tile(64, 2, 4, finish=True)),
     0.05: DecodeConfig(mma_tile(32, 2, 4, finish=True), mma_tile(32, 2, 4, finish=True)),
-    0.1: DecodeConfig(mma_tile(64, 2, 1), mma_tile(64, 2, 4)),
+    0.1: DecodeConfig(mma_tile(64, 1, 4), mma_tile(64, 2, 2)),
     0.25: DecodeConfig(mma_tile(32, 2, 2), mma_tile(32, 2, 2)),
     1.0: DecodeConfig(mma_tile(32, 2, 2), mma_tile(64, 2, 1)),
     2.0: DecodeConfig(mma_tile(64, 2, 1), mma_tile(64, 2, 1)),
