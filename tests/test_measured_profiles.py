@@ -52,13 +52,15 @@ def test_shipped_profile_is_what_the_script_makes_of_the_committed_results(machi
     assert {e.key(): e.measured_us for e in shipped} == made
 
 
-def test_h100_profile_holds_every_record_of_the_h100_bench_files():
+def test_h100_profile_holds_every_record_of_the_h100_bench_files_but_the_superseded():
     spec = _script().MACHINES["nvidia-h100"]
     shipped = load_profile(PROFILE_DIR / "measured-h100.yaml").entries
     last_file = {}  # (preset, scheme, M, backend) -> the last source file that measured it (it wins)
     for name in spec.sources:
         for r in json.loads((RESULTS / name).read_text())["records"]:
-            last_file[(r["preset"], r["quant"], r["tokens"], r["experts"])] = name
+            if (r["experts"], r["quant"]) not in spec.superseded:
+                last_file[(r["preset"], r["quant"], r["tokens"], r["experts"])] = name
+    assert not {(e.backend, e.quant) for e in shipped} & set(spec.superseded)
     assert set(spec.sources) >= set(H100_BENCH) and len(shipped) == len(last_file)
     assert {e.note for e in shipped} == {f"benchmarks/results/{name}" for name in set(last_file.values())}
 
@@ -77,13 +79,18 @@ def test_h100_plan_for_qwen3_decode_cites_an_h100_measurement_and_takes_its_fast
 @pytest.mark.parametrize("name", H100_BENCH)
 def test_h100_plan_takes_the_measured_fastest_in_every_bench_cell(name):
     """Every cell of the file, with the times the profile holds (a later source file's replace its)."""
-    merged = _cells(*_script().MACHINES["nvidia-h100"].sources)
+    spec = _script().MACHINES["nvidia-h100"]
+    merged = _cells(*spec.sources)
     for (preset, quant), by_tokens in _cells(name).items():
         tokens = sorted(by_tokens)
         problem = load_preset(preset).problem(quant=quant, max_tokens=tokens[-1])
         result = plan(problem, Platform.preset("h100"), Policy(buckets=tuple(tokens)))
         for bucket in result.buckets:
-            times = merged[(preset, quant)][bucket.high]
+            times = {b: us for b, us in merged[(preset, quant)][bucket.high].items()
+                     if (b, quant) not in spec.superseded}
+            if (bucket.chosen.pair.experts, quant) in spec.superseded:  # ranked by the H200's measurement
+                assert "measured-h200.yaml" in bucket.chosen.experts.basis
+                continue
             assert bucket.chosen.pair.experts == min(times, key=times.get), (preset, quant, bucket.high, times)
             assert "measured-h100.yaml" in bucket.chosen.experts.basis
 
@@ -93,3 +100,18 @@ def test_h200_plan_still_cites_the_h200_measurements():
     result = plan(problem, Platform.preset("h200"), Policy(buckets=(1, 64, 4096)))
     for bucket in result.buckets:
         assert bucket.chosen.experts.basis == "measured at this shape (measured-h200.yaml)", bucket.high
+
+
+def test_h100_plan_for_a_superseded_scheme_reads_the_h200_measurement_scaled_to_the_h100():
+    """Triton MXFP4 on an H100: its H100 records predate the decode kernels' rewrite (`superseded`), so the plan
+    takes the H200's measurement of the same cell as an efficiency and scales it by the H100's ceilings (memory
+    bound at M = 1: the bandwidths' ratio)."""
+    assert ("triton", "mxfp4") in _script().MACHINES["nvidia-h100"].superseded
+    (h200_us,) = [e.measured_us for e in load_profile(PROFILE_DIR / "measured-h200.yaml").entries
+                  if (e.backend, e.quant, e.tokens, e.shape.preset) == ("triton", "mxfp4", 1, "gpt-oss-120b")]
+    problem = load_preset("gpt-oss-120b").problem(quant="mxfp4", max_tokens=1)
+    h100, h200 = Platform.preset("h100"), Platform.preset("h200")
+    (bucket,) = plan(problem, h100, Policy(buckets=(1,))).buckets
+    assert bucket.chosen.pair.experts == "triton"
+    assert bucket.chosen.experts.basis == "measured on h200 at this shape, against its ceilings (measured-h200.yaml)"
+    assert bucket.chosen.experts.us == pytest.approx(h200_us * h200.memory_bandwidth / h100.memory_bandwidth)
