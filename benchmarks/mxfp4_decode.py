@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moe.experts.triton as triton_experts  # noqa: E402
+from moe.experts._triton import decode  # noqa: E402
 from moe.experts._triton.decode import DecodeConfig, DecodeTile  # noqa: E402
 from moe.presets import load_preset  # noqa: E402
 from moe.registry import get_experts  # noqa: E402
@@ -55,7 +56,8 @@ MMA_TILES = [(1, 4, 1), (2, 4, 1), (4, 4, 2), (8, 4, 2), (2, 2, 2), (4, 2, 2), (
 
 
 def mma_tile(splits: int, warps: int, unroll: int = 1, finish: int = 0) -> DecodeTile:
-    return DecodeTile(16 * warps, 64 * unroll, splits, 8, False, True, warps, 1, finish=finish == 1, mma=True)
+    """`decode.mma_tile` in the ``--tiles`` order (``mma:splits:warps[:unroll[:finish]]``)."""
+    return decode.mma_tile(16 * warps, unroll, splits, finish == 1)
 
 
 def parse_tiles(text: str) -> list[DecodeTile]:

@@ -260,16 +260,21 @@ def _a_scales(ptrs, WEIGHT_ONLY: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _tile_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """Program id -> (m block, n block), GROUP_M m blocks at a time so their A tiles stay in L2."""
-    pid = tl.program_id(0)
-    num_n = cdiv_(N, BLOCK_N)
+def _tile_of(t, num_m_blocks, num_n, GROUP_M: tl.constexpr):
+    """Tile ``t`` -> (m block, n block), GROUP_M m blocks at a time: the tiles that run together share their A
+    tiles (and an expert's m blocks its weight tiles) in L2."""
     per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
+    first_m = (t // per_group) * GROUP_M
     group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m = first_m + (t % per_group) % group_rows
+    pid_n = (t % per_group) // group_rows
     return pid_m, pid_n
+
+
+@triton.jit
+def _tile_coords(num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (m block, n block), as `_tile_of`."""
+    return _tile_of(tl.program_id(0), num_m_blocks, cdiv_(N, BLOCK_N), GROUP_M)
 
 
 @triton.jit

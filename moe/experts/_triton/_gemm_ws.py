@@ -23,7 +23,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 # @triton.jit functions, which Gluon kernels may call
-from moe.experts._triton._gemm import _activate, _store_sorted_block
+from moe.experts._triton._gemm import _activate, _store_sorted_block, _tile_of
 from moe.experts._triton._gemm_wgmma import _block_segment, _tma_load, _warps_per_cta
 
 
@@ -36,16 +36,6 @@ def _tile_count(ends_ptr, num_experts, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
 
 
 @gluon.jit
-def _tile(t, num_m, num_n, GROUP_M: gl.constexpr):
-    """Tile ``t`` -> (m block, n block), GROUP_M m blocks at a time: tiles that run together on the
-    SMs share their weight tiles in L2."""
-    per_group = GROUP_M * num_n
-    first_m = (t // per_group) * GROUP_M
-    group_rows = gl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (t % per_group) % group_rows, (t % per_group) // group_rows
-
-
-@gluon.jit
 def _load_partition(a_desc, w_desc, a_bufs, w_bufs, ready, empty, ends_ptr, counts_ptr, num_experts, N, K, w_rows,
                     GATED: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
@@ -55,7 +45,7 @@ def _load_partition(a_desc, w_desc, a_bufs, w_bufs, ready, empty, ends_ptr, coun
     NBYTES: gl.constexpr = a_desc.block_type.nbytes + (2 if GATED else 1) * w_desc.block_type.nbytes
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        pid_m, pid_n = _tile(t, num_m, num_n, GROUP_M)
+        pid_m, pid_n = _tile_of(t, num_m, num_n, GROUP_M)
         expert, _ = _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD, BLOCK_M, 1)
         m0 = pid_m * BLOCK_M
         w_row = expert * w_rows + pid_n * BLOCK_N
@@ -94,7 +84,7 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, bias_ptr, out_ptr, rows_ptr, en
     up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        pid_m, pid_n = _tile(t, num_m, num_n, GROUP_M)
+        pid_m, pid_n = _tile_of(t, num_m, num_n, GROUP_M)
         expert, valid = _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD, BLOCK_M, num_warps)
         for step in range(n_steps):
             index = it % STAGES

@@ -35,7 +35,7 @@ import torch
 from moe.activation import Activation
 from moe.experts._triton import cdiv, kernels
 from moe.experts._triton.align import align_block_size, experts_pad
-from moe.experts._triton.gemm import ACTIVATION_CODES, QUANT_CODES
+from moe.experts._triton.gemm import QUANT_CODES, activation_args, activation_code
 from moe.experts._triton.weights import MMA_ROWS, TritonWeights, WeightOperand
 from moe.errors import MoEConfigError
 from moe.quant import QuantFormat
@@ -254,11 +254,6 @@ def tile_asm(tile: DecodeTile, weights: TritonWeights, x: torch.Tensor) -> bool:
     return x.is_cuda and converts_e4m3(x.device)
 
 
-def _activation_args(activation: Activation | None) -> tuple[float, float, float]:
-    act = activation
-    return (act.alpha, act.beta, act.limit) if act is not None and act.alpha is not None else (0.0, 0.0, 0.0)
-
-
 @dataclass(frozen=True)
 class _Routing:
     """Where each program group's expert and slots come from (see _decode.py's `_group`)."""
@@ -325,9 +320,9 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor | None, part: tor
         *w.scale.stride(),
         w.bias.stride(0) if w.bias is not None else 0, (out if to_out else part).stride(-2),
         part.stride(0), part.stride(1), frags.words.stride(0) if frags else 0, frags.scales.stride(0) if frags else 0,
-        frags.k_blocks if frags else 0, n_out // MMA_ROWS if frags and gated else 0, *_activation_args(activation),
+        frags.k_blocks if frags else 0, n_out // MMA_ROWS if frags and gated else 0, *activation_args(activation),
         GROUPED=routing.grouped, HAS_MAP=has_map, A_ROW_DIV=a_row_div, GATED=gated,
-        ACTIVATION=ACTIVATION_CODES[None if activation is None else activation.kind], HAS_BIAS=w.bias is not None,
+        ACTIVATION=activation_code(activation), HAS_BIAS=w.bias is not None,
         FUSED=fused, FINISH=finish, TOP_K=top_k, SPLITS=tile.splits, E_PAD=experts_pad(routing.num_local),
         EVEN_K=k % (FP8_GROUP_SIZE if fp8 else tile.block_k) == 0,
         IEEE=a.dtype == torch.float32, DOT=tile.dot, ASM=asm, SCALES=QUANT_CODES[w.fmt], BLOCK_M=tile.block_m,
@@ -404,8 +399,8 @@ def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         _decode.activate_splits_kernel[(slots, cdiv(n, _EPILOGUE_BLOCK))](
             part1, w13.bias if w13.bias is not None else part1, routing.ids, emap, inter, n,
             part1.stride(0), part1.stride(1), w13.bias.stride(0) if w13.bias is not None else 0, inter.stride(0),
-            *_activation_args(activation), GATED=activation.is_gated,
-            ACTIVATION=ACTIVATION_CODES[activation.kind], HAS_BIAS=w13.bias is not None, HAS_MAP=has_map,
+            *activation_args(activation), GATED=activation.is_gated,
+            ACTIVATION=activation_code(activation), HAS_BIAS=w13.bias is not None, HAS_MAP=has_map,
             SPLITS=config.gemm1.splits, BLOCK=_EPILOGUE_BLOCK)
     _gemm(inter, w2, out, part2, routing, None, 1, config.gemm2, tile_asm(config.gemm2, weights, x),
           finish=_decode.FINISH_COMBINE if finish2 else _decode.FINISH_NONE, tickets=tickets,

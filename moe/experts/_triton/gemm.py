@@ -39,6 +39,17 @@ ACTIVATION_CODES = {
 }
 
 
+def activation_code(activation: Activation | None) -> int:
+    """The kernels' ACTIVATION switch for ``activation`` (0: none)."""
+    return ACTIVATION_CODES[None if activation is None else activation.kind]
+
+
+def activation_args(activation: Activation | None) -> tuple[float, float, float]:
+    """The kernels' ``alpha, beta, limit`` for ``activation`` (zeros where it takes none)."""
+    act = activation
+    return (act.alpha, act.beta, act.limit) if act is not None and act.alpha is not None else (0.0, 0.0, 0.0)
+
+
 @dataclass(frozen=True)
 class SortedRows:
     """Standard format: rows of a `BlockLayout`; A row = slot // a_row_div, output row = slot."""
@@ -159,8 +170,6 @@ def gemm_launch(
         grid = (num_m_blocks * n_tiles, rows.counts.numel())
         sorted_args = (rows.counts, rows.counts, rows.counts, rows.counts)
         num_slots, per_expert, a_row_div = 0, rows.rows_per_expert, 1
-    act = activation
-    params = (act.alpha, act.beta, act.limit) if act is not None and act.alpha is not None else (0.0, 0.0, 0.0)
     dummy = w.data  # stands in for absent scales/biases; never read
     args = (
         a, a_scale if a_scale is not None else dummy, w.data,
@@ -171,14 +180,14 @@ def gemm_launch(
         num_m_blocks, num_slots, per_expert, num_experts, n_out, k, w.data.shape[1],
         a.stride(0), a.stride(1), *_strides(a_scale, 2),
         *w.data.stride(), *_strides(w.scale, 3), *_strides(w.bias, 2), out.stride(0), out.stride(1),
-        *params,
+        *activation_args(activation),
     )
     weight_only = w.fmt in _FP8_FORMATS and a_scale is None
     assert not weight_only or w.data.dtype == torch.uint8, "weight-only fp8 reads the e4m3 bits as uint8"
     assert w.fmt is not QuantFormat.MXFP8 or a_scale is None, "MXFP8 runs weight-only: unquantized activations"
     constexprs = dict(
         ROWS=ROW_CODES[type(rows)], HAS_MAP=has_map, A_ROW_DIV=a_row_div, GATED=gated,
-        ACTIVATION=ACTIVATION_CODES[None if act is None else act.kind],
+        ACTIVATION=activation_code(activation),
         QUANT=QUANT_CODES[w.fmt], WEIGHT_ONLY=weight_only, HAS_BIAS=w.bias is not None, EVEN_K=k % tile.block_k == 0,
         IEEE=a.dtype == torch.float32, E_PAD=experts_pad(num_experts), W_TMA=tile.tma,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,

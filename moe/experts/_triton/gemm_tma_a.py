@@ -24,7 +24,7 @@ from moe.errors import MoEConfigError
 from moe.experts._triton import cdiv, next_power_of_2
 from moe.experts._triton.align import BlockLayout, experts_pad, padded_rows
 from moe.experts._triton.config import BLOCK_MS, LaunchConfig, TileConfig
-from moe.experts._triton.gemm import ACTIVATION_CODES, Launch, SortedRows, grouped_gemm
+from moe.experts._triton.gemm import Launch, SortedRows, activation_args, activation_code, grouped_gemm
 from moe.experts._triton.gemm_ws import ws_gemm_launch
 from moe.experts._triton.weights import WeightOperand, check_tma_a_weights
 
@@ -88,16 +88,14 @@ def tma_a_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tenso
     n_out, k = out.shape[1], w.k
     a_desc = TensorDescriptor(a_sorted, list(a_sorted.shape), [a_sorted.stride(0), 1], [block_m, tile.block_k])
     num_experts = layout.expert_counts.numel()
-    act = activation
-    params = (act.alpha, act.beta, act.limit) if act is not None and act.alpha is not None else (0.0, 0.0, 0.0)
     bias = w.bias if w.bias is not None else w.data  # never read without HAS_BIAS
     bias_strides = tuple(w.bias.stride()) if w.bias is not None else (0, 0)
     args = (a_desc, w.descriptor(tile.block_n, tile.block_k), bias, out,
             layout.sorted_slots, layout.expert_ends, layout.expert_counts,
             layout.max_blocks, num_experts, n_out, k, w.data.shape[1], *bias_strides,
-            out.stride(0), out.stride(1), *params)
+            out.stride(0), out.stride(1), *activation_args(activation))
     constexprs = dict(
-        GATED=gated, ACTIVATION=ACTIVATION_CODES[None if act is None else act.kind], HAS_BIAS=w.bias is not None,
+        GATED=gated, ACTIVATION=activation_code(activation), HAS_BIAS=w.bias is not None,
         OUT_SORTED=out_sorted, IEEE=a_sorted.dtype == torch.float32, E_PAD=experts_pad(num_experts),
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         num_warps=tile.num_warps, num_stages=tile.num_stages,

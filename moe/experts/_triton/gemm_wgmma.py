@@ -23,9 +23,10 @@ from moe.errors import MoEConfigError
 from moe.experts._triton import cdiv
 from moe.experts._triton.align import BlockLayout, experts_pad
 from moe.experts._triton.config import LaunchConfig, TileConfig
-from moe.experts._triton.gemm import ACTIVATION_CODES, Launch
+from moe.experts._triton.gemm import Launch, activation_args, activation_code
 from moe.experts._triton.gemm_tma_a import gather_launch
 from moe.experts._triton.rows import GROUP, quantize_fp8_rows
+from moe.experts._triton.support import require_sm90
 from moe.experts._triton.weights import WeightOperand
 from moe.quant import QuantFormat
 
@@ -64,15 +65,13 @@ def wgmma_gemm_launch(a_sorted: torch.Tensor, a_scale: torch.Tensor, w: WeightOp
                               gl.NVMMASharedLayout.get_default_for([block_m, GROUP], gl.float8e4nv))
     w_desc = w.descriptor(tile.block_n, GROUP, gluon=True)
     num_experts = layout.expert_counts.numel()
-    act = activation
-    params = (act.alpha, act.beta, act.limit) if act is not None and act.alpha is not None else (0.0, 0.0, 0.0)
     bias = w.bias if w.bias is not None else w.scale  # never read without HAS_BIAS
     bias_strides = tuple(w.bias.stride()) if w.bias is not None else (0, 0)
     args = (a_desc, w_desc, a_scale, w.scale, bias, out, layout.sorted_slots, layout.expert_ends, layout.expert_counts,
             layout.max_blocks, num_experts, n_out, k, w.data.shape[1], a_scale.stride(0),
-            *w.scale.stride(), *bias_strides, out.stride(0), out.stride(1), *params)
+            *w.scale.stride(), *bias_strides, out.stride(0), out.stride(1), *activation_args(activation))
     constexprs = dict(
-        GATED=gated, ACTIVATION=ACTIVATION_CODES[None if act is None else act.kind], HAS_BIAS=w.bias is not None,
+        GATED=gated, ACTIVATION=activation_code(activation), HAS_BIAS=w.bias is not None,
         OUT_SORTED=out_sorted,
         E_PAD=experts_pad(num_experts), BLOCK_M=block_m, BLOCK_N=tile.block_n, GROUP_M=tile.group_m,
         STAGES=tile.num_stages, num_warps=tile.num_warps,
@@ -86,11 +85,7 @@ def sorted_wgmma_gemms(x_q: torch.Tensor, x_scale: torch.Tensor, w13: WeightOper
                        num_slots: int, top_k: int) -> torch.Tensor:
     """Both GEMMs of a ``wgmma`` config (the module docstring): ``y [num_slots, H]`` in the workspace's
     ``y``, from ``x_q [M, H]`` e4m3 and ``x_scale [M, H / 128]``; no allocation."""
-    device = x_q.device
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        where = device.type if device.type != "cuda" else "SM{}{}".format(*torch.cuda.get_device_capability(device))
-        raise MoEConfigError(f"wgmma=True tiles run on SM90 GPUs (Hopper: warpgroup MMA), not on {where}; "
-                             f"use a config without wgmma here")
+    require_sm90(x_q.device, "wgmma")
     rows = layout.sorted_slots.numel()
     hidden, inter_size = x_q.shape[1], w2.k
     y = workspace["y"]

@@ -20,7 +20,8 @@ from moe.errors import MoEConfigError
 from moe.experts._triton import cdiv
 from moe.experts._triton.align import BlockLayout, experts_pad
 from moe.experts._triton.config import TileConfig
-from moe.experts._triton.gemm import ACTIVATION_CODES, Launch
+from moe.experts._triton.gemm import Launch, activation_args, activation_code
+from moe.experts._triton.support import require_sm90
 from moe.experts._triton.weights import WeightOperand
 
 _MODULE = "gemm_ws"
@@ -40,18 +41,14 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def check_ws(device: torch.device, a_sorted: torch.Tensor, w: WeightOperand, block_m: int) -> None:
-    """What the kernel needs: an SM90 GPU (wgmma, Gluon's warp specialization), dense weights in the
-    activations' 16-bit dtype, A rows TMA can load (contiguous, 16-byte multiples), 64-row blocks."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        where = device.type if device.type != "cuda" else "SM{}{}".format(*torch.cuda.get_device_capability(device))
-        raise MoEConfigError(f"ws=True tiles run on SM90 GPUs (Hopper: warpgroup MMA), not on {where}; use a config "
-                             f"without ws here")
-    if a_sorted.dtype not in (torch.bfloat16, torch.float16) or w.data.dtype != a_sorted.dtype:
-        raise MoEConfigError(f"ws=True tiles run bf16 or fp16 activations and weights of that dtype (got "
-                             f"{a_sorted.dtype} activations, {w.fmt.value} {w.data.dtype} weights); use ws=False")
-    if block_m < 64:
-        raise MoEConfigError(f"ws=True tiles take block_m >= 64 (got {block_m})")
+def check_ws(a_sorted: torch.Tensor) -> None:
+    """What the kernel needs beyond a tma_a tile's (`gemm_tma_a._check_operands`: dense weights in the
+    activations' dtype, A rows TMA can load; `LaunchConfig`: 64-row blocks): an SM90 GPU (wgmma, Gluon's warp
+    specialization) and 16-bit activations."""
+    require_sm90(a_sorted.device, "ws")
+    if a_sorted.dtype not in (torch.bfloat16, torch.float16):
+        raise MoEConfigError(f"ws=True tiles run bf16 or fp16 activations and weights (got {a_sorted.dtype}); "
+                             f"use ws=False")
 
 
 def ws_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tensor, layout: BlockLayout,
@@ -61,23 +58,22 @@ def ws_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tensor, 
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    check_ws(a_sorted)
     block_m = layout.block_m
-    check_ws(a_sorted.device, a_sorted, w, block_m)
     gated = activation is not None and activation.is_gated
     n_out, k = out.shape[1], w.k
     element = gl.bfloat16 if a_sorted.dtype == torch.bfloat16 else gl.float16
     a_desc = TensorDescriptor(a_sorted, list(a_sorted.shape), [a_sorted.stride(0), 1], [block_m, tile.block_k],
                               gl.NVMMASharedLayout.get_default_for([block_m, tile.block_k], element))
     num_experts = layout.expert_counts.numel()
-    act = activation
-    params = (act.alpha, act.beta, act.limit) if act is not None and act.alpha is not None else (0.0, 0.0, 0.0)
     bias = w.bias if w.bias is not None else w.data  # never read without HAS_BIAS
     bias_strides = tuple(w.bias.stride()) if w.bias is not None else (0, 0)
     args = (a_desc, w.descriptor(tile.block_n, tile.block_k, gluon=True), bias, out,
             layout.sorted_slots, layout.expert_ends, layout.expert_counts,
-            num_experts, n_out, k, w.data.shape[1], *bias_strides, out.stride(0), out.stride(1), *params)
+            num_experts, n_out, k, w.data.shape[1], *bias_strides, out.stride(0), out.stride(1),
+            *activation_args(activation))
     constexprs = dict(
-        GATED=gated, ACTIVATION=ACTIVATION_CODES[None if act is None else act.kind], HAS_BIAS=w.bias is not None,
+        GATED=gated, ACTIVATION=activation_code(activation), HAS_BIAS=w.bias is not None,
         OUT_SORTED=out_sorted, E_PAD=experts_pad(num_experts),
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         STAGES=tile.num_stages, LOADER_REGS=LOADER_REGS,

@@ -74,6 +74,15 @@ def gpu_of(device: torch.device) -> Platform | None:
                     capability=torch.cuda.get_device_capability(device))
 
 
+def require_sm90(device: torch.device, flag: str) -> None:
+    """Raises unless ``device`` is an SM90 GPU, for the ``flag=True`` tiles (wgmma, ws) that only Hopper's
+    warpgroup MMA runs."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        where = device.type if device.type != "cuda" else "SM{}{}".format(*torch.cuda.get_device_capability(device))
+        raise MoEConfigError(f"{flag}=True tiles run on SM90 GPUs (Hopper: warpgroup MMA), not on {where}; "
+                             f"use a config without {flag} here")
+
+
 def config_key(problem: MoEProblem, fmt: str, device: torch.device) -> ConfigKey:
     """The key of ``problem``'s launch-config table on ``device``. A standard-format weight-only run whose
     kernels are another scheme's (W4A8 mxfp4 runs as W4A16: `MoEProblem.scheme_run_as`)

@@ -32,6 +32,7 @@ import torch
 from moe.experts._triton.config import ConfigTable
 from moe.errors import MoEConfigError
 from moe.quant import QuantFormat, unpack_e2m1
+from moe.quant.nvfp4 import NVFP4_BLOCK
 from moe.weights import ExpertWeights
 
 MX_GROUP = 32
@@ -273,7 +274,7 @@ def fragment_block(codes: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat) -
     c = codes.view(experts, nb, 2, 8, kb, 2, 4, 2, 2, 2)
     c = c.permute(0, 1, 4, 3, 6, 5, 8, 7, 2, 9)  # E, NB, KB, g, t, h, w, MMA, r, c
     words = fragment_words(c.reshape(experts, nb, kb, 32, 4, 4, 2))
-    per = MX_GROUP if fmt is QuantFormat.MXFP4 else 16
+    per = MX_GROUP if fmt is QuantFormat.MXFP4 else NVFP4_BLOCK
     scale = scale.view(torch.uint8)
     scale = torch.nn.functional.pad(scale, (0, (k + pad_k) // per - scale.shape[-1], 0, pad_n))
     if fmt is QuantFormat.MXFP4:  # E, NB, r, g, KB, h -> one word per (g, t), the same for each t
