@@ -71,12 +71,16 @@ MACHINES = {
         "fp4_gemv_s14_bench_mxfp4_qwen3_flashinfer_nvidia-h200.json": ("records", None),
         "fp4_gemv_s14_bench_nvfp4_nvidia-h200.json": ("records", None),
         "fp4_gemv_s14_bench_bf16_nvidia-h200.json": ("records", None),
+        # session 16: fp8_block with the warp-specialized fp8 tiles in the tables (Qwen3, DeepSeek slice, GPT-OSS),
+        # bf16 beside it; listed before session 15's files so that their bf16 records, timed beside FlashInfer's,
+        # replace this file's (the oracle compares backends timed in one call)
+        "fp8_block_ws_bench_nvidia-h200.json": ("records", None),
         # session 15: the warp-specialized bf16 GEMMs (ws tiles) in the tables, FlashInfer and torch_grouped beside;
         # Qwen3 MXFP4 decode at M = 1-4 after bucket 0.1's re-tune, bf16 beside
         "bf16_ws_mixtral_deepseek_nvidia-h200.json": ("records", None),
         "bf16_ws_qwen3_gpt-oss_nvidia-h200.json": ("records", None),
         "fp4_gemv_s15_bench_qwen3_mxfp4_bf16_nvidia-h200.json": ("records", None),
-    }, "measured on nvidia-h200 (2026-11-22 and 2026-11-28; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
+    }, "measured on nvidia-h200 (2026-11-22 to 2026-11-28; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
        "benchmarks/flashinfer_bench.py / benchmarks/ep_all_to_all.py"),
     "nvidia-h100": Machine("h100", {
         "bf16_qwen3_mixtral_nvidia-h100.json": ("records", None),

@@ -2,7 +2,8 @@
 first and second call against the pointer path and (M <= 4096) the float32 reference, and its time (CUDA graphs).
 
     python benchmarks/wgmma_tiles_check.py qwen3-30b-a3b,deepseek-v3-ep8-slice 1024,4096,16384 \\
-        '[[64, 64, 128, 4, 4, 8], [128, 64, 128, 8, 4, 8]]'     # [block_m, gemm1 n, gemm2 n, warps, stages, group_m]
+        '[[64, 64, 128, 4, 4, 8], [128, 64, 128, 8, 4, 8, 1]]'
+    # [block_m, gemm1 n, gemm2 n, warps, stages, group_m(, ws)]: ws 1 sets ws=True on both GEMMs (gemm_ws.py)
 
 Writes $OUT/wg.json (µs per tile and M) and prints the registers and spills of every compiled wgmma kernel.
 Session 9's runs: benchmarks/results/fp8_block_wgmma_nvidia-h100.md.
@@ -44,8 +45,8 @@ def timed(experts, dispatched, prepared, ws) -> tuple[torch.Tensor, float]:
     return first, triton.testing.do_bench_cudagraph(call, rep=int(os.environ.get("REP", "200"))) * 1000
 
 
-def wgmma_config(block_m, gemm1_n, gemm2_n, warps, stages, group_m) -> LaunchConfig:
-    tile = TileConfig(gemm1_n, 128, group_m, warps, stages, tma=True, wgmma=True)
+def wgmma_config(block_m, gemm1_n, gemm2_n, warps, stages, group_m, ws=0) -> LaunchConfig:
+    tile = TileConfig(gemm1_n, 128, group_m, warps, stages, tma=True, wgmma=True, ws=bool(ws))
     return LaunchConfig(block_m, tile, dataclasses.replace(tile, block_n=gemm2_n))
 
 
@@ -84,9 +85,11 @@ def main(presets: list[str], tokens_list: list[int], variants: list[list[int]]) 
                       flush=True)
                 row[str(tuple(variant))] = round(us, 1)
             results[f"{preset} {tokens}"] = row
-    for caches in kernels("gemm_wgmma").moe_gemm_fp8_wgmma_kernel.device_caches.values():
-        for kernel in caches[0].values():
-            print(f"compiled: {kernel.n_regs} registers, {kernel.n_spills} spills, {kernel.metadata.num_warps} warps")
+    for kernel_fn in (kernels("gemm_wgmma").moe_gemm_fp8_wgmma_kernel, kernels("gemm_ws").moe_gemm_fp8_ws_kernel):
+        for caches in kernel_fn.device_caches.values():
+            for kernel in caches[0].values():
+                print(f"compiled {kernel.name}: {kernel.n_regs} registers, {kernel.n_spills} spills, "
+                      f"{kernel.metadata.num_warps} warps")
     return results
 
 

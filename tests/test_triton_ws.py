@@ -1,7 +1,8 @@
-"""ws=True tiles (gemm_ws.py): the dense grouped GEMM as a warp-specialized, persistent Gluon kernel. Gluon does
-not run under the CPU interpreter: here the configs' rules, the register split, the errors a CPU (or a quantized
+"""ws=True tiles (gemm_ws.py): the dense grouped GEMM as a warp-specialized, persistent Gluon kernel, and the fp8
+128-block one (ws on a wgmma tile). Gluon does not run under the CPU interpreter: here the configs' rules, the register split, the errors a CPU (or a quantized
 problem) gets, and the kernel compiled for sm90 with the installed Triton (registers, spills, no wgmma
-serialized by ptxas). The numbers are checked on the GPU: tests/gpu/test_triton_ws_gpu.py.
+serialized by ptxas). The numbers are checked on the GPU: tests/gpu/test_triton_ws_gpu.py (dense) and
+tests/gpu/test_triton_wgmma_gpu.py (fp8).
 """
 
 import os
@@ -20,7 +21,10 @@ import torch  # noqa: E402
 
 from moe.errors import MoEConfigError  # noqa: E402
 from moe.experts._triton.config import ConfigTable, LaunchConfig, TileConfig  # noqa: E402
+from moe.experts._triton.gemm_wgmma import check_wgmma_operands  # noqa: E402
 from moe.experts._triton.gemm_ws import LOADER_REGS, max_registers  # noqa: E402
+from moe.experts._triton.support import config_key  # noqa: E402
+from moe.experts._triton.weights import prepare_triton_weights  # noqa: E402
 from moe.experts.triton import TritonExperts  # noqa: E402
 from tests.test_triton import make_problem, make_topk, make_weights  # noqa: E402
 from tests.test_triton_weight_only import run  # noqa: E402
@@ -31,7 +35,7 @@ def ws_tile(block_n=128, num_warps=8, stages=4, **kw) -> TileConfig:
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(tma_a=False), "ws=True tiles are tma_a=True tiles"),
+    (dict(tma_a=False), r"ws=True tiles are tma_a=True \(dense\) or wgmma=True \(fp8_block\) tiles"),
     (dict(num_warps=2), "num_warps 4 or 8"),
     (dict(block_k=16), "block_k 32, 64 or 128"),
     (dict(num_stages=1), "num_stages >= 2"),
@@ -87,20 +91,32 @@ VARIANTS = [
 ]
 
 
+FP8_VARIANTS = [
+    # DeepSeek / Qwen3 GEMM1: gated, 128 x (2 x 64) on two warpgroups; GEMM2 128 x 128
+    {"kernel": "fp8_ws", "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8},
+    {"kernel": "fp8_ws", "GATED": False, "ACTIVATION": 0, "OUT_SORTED": False, "BLOCK_M": 128, "BLOCK_N": 128,
+     "num_warps": 8},
+    # one warpgroup, GPT-OSS-like (swiglu_oai, biases), a deeper ring
+    {"kernel": "fp8_ws", "BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "ACTIVATION": 3, "HAS_BIAS": True,
+     "STAGES": 6},
+]
+
+
 @pytest.fixture(scope="module")
 def compiled_variants():
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="needs Triton with Gluon")
     variants = [{"kernel": "ws", "maxnreg": max_registers(v["num_warps"]), **v} for v in VARIANTS]
+    variants += [{"maxnreg": max_registers(v["num_warps"]), **v} for v in FP8_VARIANTS]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-m", "moe.testing.gluon_compile", json.dumps(variants)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     return {json.dumps(v, sort_keys=True): report[json.dumps(full, sort_keys=True)]
-            for v, full in zip(VARIANTS, variants)}
+            for v, full in zip(VARIANTS + FP8_VARIANTS, variants)}
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={v[k]}" for k in v))
+@pytest.mark.parametrize("variant", VARIANTS + FP8_VARIANTS, ids=lambda v: ",".join(f"{k}={v[k]}" for k in v))
 def test_ws_kernel_compiles_for_sm90_without_spills_or_serialized_wgmmas(compiled_variants, variant):
     report = compiled_variants[json.dumps(variant, sort_keys=True)]
     assert "error" not in report, report.get("error")
@@ -123,3 +139,60 @@ def test_tuner_tries_ws_tiles_on_sm90_for_16_bit_schemes_where_blocks_fill():
     assert ws_candidates("bf16", 256.0, (8, 0)) == []  # no wgmma before Hopper
     assert ws_candidates("bf16", 256.0, (10, 0)) == []  # Blackwell: another MMA
     assert ws_candidates("bf16", 4.0, (9, 0)) == []  # decode: the 64-row blocks would be padding
+
+
+# --- fp8 128-block: ws on a wgmma tile --------------------------------------------------------------------
+
+
+def fp8_ws_tile(block_n=64, num_warps=8, **kw) -> TileConfig:
+    return TileConfig(block_n, 128, 8, num_warps, 4, tma=True, wgmma=True, ws=True, **kw)
+
+
+def test_fp8_ws_tiles_are_wgmma_tiles_with_64_row_blocks():
+    config = LaunchConfig(128, fp8_ws_tile(), fp8_ws_tile(128))
+    assert LaunchConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    with pytest.raises(MoEConfigError, match="ws=True tiles take block_m >= 64"):
+        LaunchConfig(32, fp8_ws_tile(num_warps=4), fp8_ws_tile(128, num_warps=4))
+    with pytest.raises(MoEConfigError, match="wgmma=True tiles take block_k=128"):
+        TileConfig(64, 64, 8, 8, 4, tma=True, wgmma=True, ws=True)
+
+
+@pytest.fixture(scope="module")
+def fp8_weights():
+    """Prepared fp8_block weights of a small gated problem (intermediate 256: block_n 64 and 128 divide it)."""
+    p = make_problem("fp8_block", "silu", E=4, k=2, H=256, I=256, max_tokens=8)
+    table = ConfigTable(config_key(p, "standard", torch.device("cpu")), ())
+    return prepare_triton_weights(make_weights(p), None, table)
+
+
+@pytest.mark.parametrize("block_m, tile, gated, message", [
+    (128, fp8_ws_tile(128), True, "at most 128 columns wide"),  # a 256-column gated wgmma
+    (128, fp8_ws_tile(256), False, "at most 128 columns wide"),
+    (64, fp8_ws_tile(64, num_warps=8), True, "num_warps = block_m / 16"),  # two warpgroups on 64 rows
+    (128, fp8_ws_tile(64, num_warps=4), True, "num_warps = block_m / 16"),
+])
+def test_fp8_ws_tiles_that_would_spill_are_refused_naming_the_constraint(fp8_weights, block_m, tile, gated, message):
+    """The sm90 compile of a 256-column ws wgmma spills and serializes its wgmmas (three accumulator tiles per
+    thread): refused before launch, with the tile's numbers."""
+    w = fp8_weights.w13 if gated else fp8_weights.w2
+    with pytest.raises(MoEConfigError, match=message):
+        check_wgmma_operands(w, tile, gated, block_m)
+    # the same tile without ws is a plain wgmma tile
+    check_wgmma_operands(w, dataclasses.replace(tile, ws=False), gated, block_m)
+
+
+def test_fp8_ws_tiles_within_the_limits_pass_the_check(fp8_weights):
+    check_wgmma_operands(fp8_weights.w13, fp8_ws_tile(64), True, 128)
+    check_wgmma_operands(fp8_weights.w2, fp8_ws_tile(128), False, 128)
+    check_wgmma_operands(fp8_weights.w13, fp8_ws_tile(32, num_warps=4), True, 64)
+
+
+def test_tuner_tries_fp8_ws_tiles_that_fit_their_registers():
+    from moe.tools.tune import wgmma_candidates
+
+    configs = wgmma_candidates("fp8_block", 256.0, (9, 0))
+    ws = [c for c in configs if c.gemm1.ws]
+    assert ws and all(c.gemm2.ws and c.gemm1.wgmma for c in ws)
+    for c in ws:
+        assert 2 * c.gemm1.block_n <= 128 and c.gemm2.block_n <= 128
+        assert c.gemm1.num_warps * 16 == c.block_m == c.gemm2.num_warps * 16

@@ -24,6 +24,7 @@ DEFAULTS = dict(GATED=True, ACTIVATION=1, HAS_BIAS=False, OUT_SORTED=True, E_PAD
 KERNELS = {
     "fp8": ("_gemm_wgmma", "moe_gemm_fp8_wgmma_kernel", {}, "fp8e4nv", "float8e4nv", 128),
     "ws": ("_gemm_ws", "moe_gemm_ws_kernel", dict(BLOCK_K=64, LOADER_REGS=40), "bf16", "bfloat16", 64),
+    "fp8_ws": ("_gemm_ws", "moe_gemm_fp8_ws_kernel", dict(LOADER_REGS=40), "fp8e4nv", "float8e4nv", 128),
 }
 
 

@@ -107,16 +107,20 @@ def wgmma_candidates(scheme: str, rows_per_expert: float, capability: tuple[int,
     """Whole-stage configs of the pipelined-wgmma GEMMs (gemm_wgmma.py): fp8_block on SM90, where blocks of
     64+ rows fill. They go straight to the end-to-end round of `tune_bucket`: their GEMM1 includes the gather
     and their GEMM2 reads rows only a wgmma GEMM1 writes, so they pair only with each other. The first two
-    were the fastest of session 9's H100 runs (benchmarks/results/fp8_block_wgmma_nvidia-h100.md)."""
+    were the fastest of session 9's H100 runs (benchmarks/results/fp8_block_wgmma_nvidia-h100.md); the last
+    three are ``ws`` tiles, the warp-specialized persistent kernel on the same operands (gemm_ws.py)."""
     if scheme != "fp8_block" or capability != (9, 0) or rows_per_expert < 32:
         return []
 
-    def config(block_m: int, gemm1_n: int, gemm2_n: int, warps: int, stages: int = 4) -> LaunchConfig:
-        tile = TileConfig(gemm1_n, 128, 8, warps, stages, tma=True, wgmma=True)
+    def config(block_m: int, gemm1_n: int, gemm2_n: int, warps: int, stages: int = 4, ws: bool = False):
+        tile = TileConfig(gemm1_n, 128, 8, warps, stages, tma=True, wgmma=True, ws=ws)
         return LaunchConfig(block_m, tile, dataclasses.replace(tile, block_n=gemm2_n))
 
+    # the warp-specialized persistent twins (gemm_ws.py): wgmmas up to 128 columns wide
+    ws = [config(128, 64, 128, 8, ws=True), config(128, 64, 128, 8, stages=6, ws=True),
+          config(64, 64, 128, 4, ws=True)]
     return [config(64, 64, 128, 4), config(128, 64, 128, 8), config(64, 32, 128, 4), config(64, 64, 256, 8),
-            config(128, 64, 128, 8, stages=3)]
+            config(128, 64, 128, 8, stages=3), *ws]
 
 
 def ws_candidates(scheme: str, rows_per_expert: float, capability: tuple[int, int]) -> list[LaunchConfig]:

@@ -1,6 +1,7 @@
-"""wgmma=True tiles (gemm_wgmma.py, a Gluon kernel) on an SM90 GPU for fp8_block at the presets' shapes: equal to
-the pointer path and to the float32 reference, at ragged small M too (1, 3, 33 tokens: experts hit zero or a few
-times), and a CUDA graph replays them equal to eager without a host sync."""
+"""wgmma=True tiles (gemm_wgmma.py, a Gluon kernel) on an SM90 GPU for fp8_block at the presets' shapes, and their
+warp-specialized persistent twins (ws=True, gemm_ws.py): equal to the pointer path and to the float32 reference,
+at ragged small M too (1, 3, 33 tokens: experts hit zero or a few times; most of a persistent program's tiles lie
+past the rows the routing filled), and a CUDA graph replays them equal to eager without a host sync."""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ pytest.importorskip("triton")
 PRESETS = ("qwen3-30b-a3b", "deepseek-v3-ep8-slice", "gpt-oss-120b")
 
 
-def wgmma_tiles(block_m=64, num_warps=4, gemm1_n=64, gemm2_n=128, stages=4) -> LaunchConfig:
-    return LaunchConfig(block_m, TileConfig(gemm1_n, 128, 8, num_warps, stages, tma=True, wgmma=True),
-                        TileConfig(gemm2_n, 128, 8, num_warps, stages, tma=True, wgmma=True))
+def wgmma_tiles(block_m=64, num_warps=4, gemm1_n=64, gemm2_n=128, stages=4, ws=(False, False)) -> LaunchConfig:
+    """``ws``: which GEMMs run the warp-specialized persistent kernel (gemm_ws.py)."""
+    return LaunchConfig(block_m, TileConfig(gemm1_n, 128, 8, num_warps, stages, tma=True, wgmma=True, ws=ws[0]),
+                        TileConfig(gemm2_n, 128, 8, num_warps, stages, tma=True, wgmma=True, ws=ws[1]))
 
 
 def pointer_tiles(block_m=64) -> LaunchConfig:
@@ -69,18 +71,32 @@ def check_against_pointer_and_reference(layer, tokens: int, config: LaunchConfig
         assert_close_moe(got, reference(p, x, topk, weights), regime_for(p), context=f"{config}")
 
 
+BOTH = (True, True)
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 33, 256, 1024])
-@pytest.mark.parametrize("config", [wgmma_tiles(), wgmma_tiles(128, 8), wgmma_tiles(64, 8, gemm2_n=256),
-                                    wgmma_tiles(64, 4, gemm1_n=32, stages=6)],
-                         ids=["64-w4", "128-w8", "64-w8-n256", "64-w4-n32-s6"])
+@pytest.mark.parametrize("config", [
+    wgmma_tiles(), wgmma_tiles(128, 8), wgmma_tiles(64, 8, gemm2_n=256), wgmma_tiles(64, 4, gemm1_n=32, stages=6),
+    wgmma_tiles(128, 8, ws=BOTH), wgmma_tiles(64, 4, ws=BOTH), wgmma_tiles(128, 8, gemm1_n=32, stages=6, ws=BOTH),
+    wgmma_tiles(128, 8, ws=(True, False)), wgmma_tiles(128, 8, ws=(False, True)),
+], ids=["64-w4", "128-w8", "64-w8-n256", "64-w4-n32-s6", "ws-128-w8", "ws-64-w4", "ws-128-w8-n32-s6",
+        "ws-gemm1-only", "ws-gemm2-only"])
 def test_wgmma_equals_pointer_path_and_reference(layer, tokens, config):
     # the same products summed in the same K order (128-column steps); only the schedule differs
     check_against_pointer_and_reference(layer, tokens, config, pointer_tiles(config.block_m), 1e-2)
 
 
-def test_wgmma_cuda_graph_replay_equals_eager(layer):
+@pytest.mark.parametrize("config", [wgmma_tiles(), wgmma_tiles(128, 8, ws=BOTH)], ids=["wgmma", "ws"])
+def test_wgmma_cuda_graph_replay_equals_eager(layer, config):
     p, experts, prepared, _ = layer
-    assert_replay_equals_eager_without_sync(experts, only(prepared, wgmma_tiles(), 256), p, 256)
+    assert_replay_equals_eager_without_sync(experts, only(prepared, config, 256), p, 256)
+
+
+def test_fp8_ws_tile_too_wide_for_its_registers_is_refused():
+    """A 256-column wgmma (gated block_n 128) would spill three accumulator tiles: a clear error, not a slow or
+    wrong result."""
+    with pytest.raises(ValueError, match="at most 128 columns wide"):
+        run_qwen3_under("fp8_block", wgmma_tiles(128, 8, gemm1_n=128, ws=BOTH))
 
 
 def run_qwen3_under(quant: str, config: LaunchConfig) -> torch.Tensor:

@@ -81,21 +81,23 @@ def _issue_load(step, n_steps, a_desc, w_desc, m0, w_row, N, ready, a_bufs, w_bu
 
 
 @gluon.jit
-def _mma_step(step, n_steps, a_desc, w_desc, m0, w_row, N, n0, block_hi, hi_ok, ready, a_bufs, w_bufs,
-              scale_rows, stride_asg, ws_base, stride_wsn, stride_wsk,
+def _mma_step(step, ring_step, n_steps, a_desc, w_desc, m0, w_row, N, scales, ready, a_bufs, w_bufs,
               GATED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr,
-              STAGES: gl.constexpr, mma: gl.constexpr):
-    """K step ``step``: issues the loads ``STAGES - 2`` steps ahead, then this step's wgmma into a fresh
-    tile. Returns the tile in flight (to pass through a `warpgroup_mma_wait`) and the row scales of its
-    two column halves. The buffer a load overwrites was read ``STAGES - 2`` steps back or earlier:
-    retired, as every wait leaves at most one wgmma in flight."""
-    _issue_load(step + STAGES - 2, n_steps, a_desc, w_desc, m0, w_row, N, ready, a_bufs, w_bufs,
-                GATED, BLOCK_N, STAGES)
+              STAGES: gl.constexpr, LOADS: gl.constexpr, mma: gl.constexpr):
+    """K step ``step`` of a tile, buffer ``ring_step % STAGES`` of the ring: with ``LOADS`` (the wgmma
+    kernel, which loads its own tiles) first the loads ``STAGES - 2`` steps ahead, then this step's wgmma
+    into a fresh tile. Returns the tile in flight (to pass through a `warpgroup_mma_wait`) and the row
+    scales of its two column halves. The buffer a load overwrites was read ``STAGES - 2`` steps back or
+    earlier: retired, as every wait leaves at most one wgmma in flight."""
+    if LOADS:
+        _issue_load(step + STAGES - 2, n_steps, a_desc, w_desc, m0, w_row, N, ready, a_bufs, w_bufs,
+                    GATED, BLOCK_N, STAGES)
+    scale_rows, stride_asg, lo_ptr, hi_ptr, hi_ok, stride_wsk = scales
     a_s = gl.load(scale_rows + step * stride_asg)
-    s_lo = gl.load(ws_base + (n0 // 128) * stride_wsn + step * stride_wsk)
-    s_hi = gl.load(ws_base + block_hi * stride_wsn + step * stride_wsk, mask=hi_ok, other=0.0)
-    index = step % STAGES
-    mbarrier.wait(ready.index(index), (step // STAGES) & 1)
+    s_lo = gl.load(lo_ptr + step * stride_wsk)
+    s_hi = gl.load(hi_ptr + step * stride_wsk, mask=hi_ok, other=0.0)
+    index = ring_step % STAGES
+    mbarrier.wait(ready.index(index), (ring_step // STAGES) & 1)
     a_buf = a_bufs.index(index)
     w_buf = w_bufs.index(index)
     t = warpgroup_mma(a_buf, w_buf.permute((1, 0)), gl.zeros([BLOCK_M, WIDTH], gl.float32, layout=mma),
@@ -107,6 +109,78 @@ def _mma_step(step, n_steps, a_desc, w_desc, m0, w_row, N, n0, block_hi, hi_ok, 
 def _promote(acc, t, lo, hi, first_half):
     """``acc + t * scale``: the row scale of the column's half times the tile."""
     return acc + t * gl.where(first_half, gl.expand_dims(lo, 1), gl.expand_dims(hi, 1))
+
+
+@gluon.jit
+def _retired(empty, ring_step, STAGES: gl.constexpr, RELEASE: gl.constexpr):
+    """With ``RELEASE`` (a warp-specialized consumer), hands buffer ``ring_step % STAGES``, whose wgmma has
+    retired, back to the loader partition."""
+    if RELEASE:
+        mbarrier.arrive(empty.index(ring_step % STAGES), count=1)
+
+
+@gluon.jit
+def _tile_scales(a_scale_ptr, w_scale_ptr, expert, m0, n0, N, w_rows, stride_asg, stride_wse, stride_wsn, stride_wsk,
+                 GATED: gl.constexpr, BLOCK_M: gl.constexpr, rows_l: gl.constexpr):
+    """Where a tile's K steps read their scales: its rows' (``[groups, rows]``, group stride ``stride_asg``) and
+    the weight scales of its two column halves, gate/up rows (gated) or the two 128-row blocks of a 256-wide
+    tile (the second past the weights' rows when the tile is narrower: ``hi_ok`` false)."""
+    ws_base = w_scale_ptr + expert.to(gl.int64) * stride_wse
+    if GATED:
+        block_hi = (N + n0) // 128
+    else:
+        block_hi = n0 // 128 + 1
+    scale_rows = a_scale_ptr + m0 + gl.arange(0, BLOCK_M, layout=rows_l)
+    return (scale_rows, stride_asg, ws_base + (n0 // 128) * stride_wsn, ws_base + block_hi * stride_wsn,
+            block_hi * 128 < w_rows, stride_wsk)
+
+
+@gluon.jit
+def _fp8_tile(ring0, n_steps, a_desc, w_desc, m0, w_row, N, scales, ready, empty, a_bufs, w_bufs, first_half,
+              GATED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr,
+              STAGES: gl.constexpr, WS: gl.constexpr, mma: gl.constexpr, rows_l: gl.constexpr):
+    """The float32 accumulator of one tile: ``n_steps`` K steps, the first in buffer ``ring0 % STAGES``.
+    ``WS``: a warp-specialized consumer (its loads come from a loader partition; each buffer goes back
+    on ``empty`` once its wgmma retires), else this program issues its own loads.
+
+    Steps go in pairs: the even step's tile is scaled in while the odd step's wgmma runs, the odd one
+    while the next pair's even wgmma runs. Only retired tiles cross the loop's back edge: a tile whose
+    wgmma is in flight would be copied there, and ptxas then serializes every wgmma of the kernel."""
+    acc = gl.zeros([BLOCK_M, WIDTH], gl.float32, layout=mma)
+    t_odd = gl.zeros([BLOCK_M, WIDTH], gl.float32, layout=mma)
+    lo_odd = gl.zeros([BLOCK_M], gl.float32, layout=rows_l)  # row scales of the odd tile's halves
+    hi_odd = lo_odd
+    LOADS: gl.constexpr = not WS
+    for pair in range(n_steps // 2):
+        even = 2 * pair
+        t_even, lo_even, hi_even = _mma_step(even, ring0 + even, n_steps, a_desc, w_desc, m0, w_row, N, scales,
+                                             ready, a_bufs, w_bufs, GATED, BLOCK_M, BLOCK_N, WIDTH, STAGES, LOADS,
+                                             mma)
+        acc = _promote(acc, t_odd, lo_odd, hi_odd, first_half)
+        t_next, lo_odd, hi_odd = _mma_step(even + 1, ring0 + even + 1, n_steps, a_desc, w_desc, m0, w_row, N,
+                                           scales, ready, a_bufs, w_bufs, GATED, BLOCK_M, BLOCK_N, WIDTH, STAGES,
+                                           LOADS, mma)
+        t_even = warpgroup_mma_wait(num_outstanding=1, deps=(t_even, ))
+        _retired(empty, ring0 + even, STAGES, WS)
+        acc = _promote(acc, t_even, lo_even, hi_even, first_half)
+        t_odd = warpgroup_mma_wait(num_outstanding=0, deps=(t_next, ))
+        _retired(empty, ring0 + even + 1, STAGES, WS)
+    acc = _promote(acc, t_odd, lo_odd, hi_odd, first_half)
+    if n_steps % 2:
+        t_even, lo_even, hi_even = _mma_step(n_steps - 1, ring0 + n_steps - 1, n_steps, a_desc, w_desc, m0, w_row,
+                                             N, scales, ready, a_bufs, w_bufs, GATED, BLOCK_M, BLOCK_N, WIDTH,
+                                             STAGES, LOADS, mma)
+        t_even = warpgroup_mma_wait(num_outstanding=0, deps=(t_even, ))
+        _retired(empty, ring0 + n_steps - 1, STAGES, WS)
+        acc = _promote(acc, t_even, lo_even, hi_even, first_half)
+    return acc
+
+
+@gluon.constexpr_function
+def _fp8_mma_layout(block_m, width, num_warps):
+    """The accumulator layout of a ``[block_m, width]`` fp8 wgmma (K 32 per instruction)."""
+    warps = _warps_per_cta(block_m, num_warps)
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps, instr_shape=[16, width // warps[1], 32])
 
 
 # the token-dependent counts are not specialized on, so one compiled kernel serves every M
@@ -136,8 +210,7 @@ def moe_gemm_fp8_wgmma_kernel(
     w_row = expert * w_rows + n0
     n_steps = (K + 127) // 128
 
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=_warps_per_cta(BLOCK_M, num_warps),
-                                                  instr_shape=[16, WIDTH // _warps_per_cta(BLOCK_M, num_warps)[1], 32])
+    mma: gl.constexpr = _fp8_mma_layout(BLOCK_M, WIDTH, num_warps)
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, 128], a_desc.layout)
@@ -148,41 +221,11 @@ def moe_gemm_fp8_wgmma_kernel(
     for i in gl.static_range(STAGES - 2):
         _issue_load(i, n_steps, a_desc, w_desc, m0, w_row, N, ready, a_bufs, w_bufs, GATED, BLOCK_N, STAGES)
 
-    # the weight scales of a column's half: gate/up rows (gated), or the two 128-row blocks of a 256 tile
-    ws_base = w_scale_ptr + expert.to(gl.int64) * stride_wse
-    if GATED:
-        block_hi = (N + n0) // 128
-    else:
-        block_hi = n0 // 128 + 1
-    hi_ok = block_hi * 128 < w_rows
+    scales = _tile_scales(a_scale_ptr, w_scale_ptr, expert, m0, n0, N, w_rows, stride_asg, stride_wse, stride_wsn,
+                          stride_wsk, GATED, BLOCK_M, rows_l)
     first_half = gl.expand_dims(gl.arange(0, WIDTH, layout=cols_l) < HALF, 0)
-    scale_rows = a_scale_ptr + m0 + gl.arange(0, BLOCK_M, layout=rows_l)
-
-    # Steps go in pairs: the even step's tile is scaled in while the odd step's wgmma runs, the odd one
-    # while the next pair's even wgmma runs. Only retired tiles cross the loop's back edge: a tile whose
-    # wgmma is in flight would be copied there, and ptxas then serializes every wgmma of the kernel.
-    acc = gl.zeros([BLOCK_M, WIDTH], gl.float32, layout=mma)
-    t_odd = gl.zeros([BLOCK_M, WIDTH], gl.float32, layout=mma)
-    lo_odd = gl.zeros([BLOCK_M], gl.float32, layout=rows_l)  # row scales of the odd tile's halves
-    hi_odd = lo_odd
-    for pair in range(n_steps // 2):
-        t_even, lo_even, hi_even = _mma_step(2 * pair, n_steps, a_desc, w_desc, m0, w_row, N, n0, block_hi, hi_ok,
-                                             ready, a_bufs, w_bufs, scale_rows, stride_asg, ws_base, stride_wsn,
-                                             stride_wsk, GATED, BLOCK_M, BLOCK_N, WIDTH, STAGES, mma)
-        acc = _promote(acc, t_odd, lo_odd, hi_odd, first_half)
-        t_next, lo_odd, hi_odd = _mma_step(2 * pair + 1, n_steps, a_desc, w_desc, m0, w_row, N, n0, block_hi, hi_ok,
-                                           ready, a_bufs, w_bufs, scale_rows, stride_asg, ws_base, stride_wsn,
-                                           stride_wsk, GATED, BLOCK_M, BLOCK_N, WIDTH, STAGES, mma)
-        t_even = warpgroup_mma_wait(num_outstanding=1, deps=(t_even, ))
-        acc = _promote(acc, t_even, lo_even, hi_even, first_half)
-        t_odd = warpgroup_mma_wait(num_outstanding=0, deps=(t_next, ))
-    acc = _promote(acc, t_odd, lo_odd, hi_odd, first_half)
-    if n_steps % 2:
-        t_even, lo_even, hi_even = _mma_step(n_steps - 1, n_steps, a_desc, w_desc, m0, w_row, N, n0, block_hi,
-                                             hi_ok, ready, a_bufs, w_bufs, scale_rows, stride_asg, ws_base,
-                                             stride_wsn, stride_wsk, GATED, BLOCK_M, BLOCK_N, WIDTH, STAGES, mma)
-        t_even = warpgroup_mma_wait(num_outstanding=0, deps=(t_even, ))
-        acc = _promote(acc, t_even, lo_even, hi_even, first_half)
+    acc = _fp8_tile(0, n_steps, a_desc, w_desc, m0, w_row, N, scales, ready, ready, a_bufs, w_bufs, first_half,
+                    GATED, BLOCK_M, BLOCK_N, WIDTH, STAGES, False, mma, rows_l)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 

@@ -1,4 +1,5 @@
-"""Gluon code of the dense grouped GEMM, warp-specialized and persistent (``TileConfig.ws``; SM90).
+"""Gluon code of the grouped GEMMs that are warp-specialized and persistent (``TileConfig.ws``; SM90): dense
+bf16/fp16 (`moe_gemm_ws_kernel`) and fp8 128-block (`moe_gemm_fp8_ws_kernel`, ``wgmma`` and ``ws`` tiles).
 
 The data flow is the TMA-A path's (gemm_tma_a.py): A is the layout's rows gathered into sorted order,
 W is ``[E * R, K]``, both loaded by TMA descriptor. What differs is how the tensor cores are kept fed:
@@ -16,6 +17,12 @@ W is ``[E * R, K]``, both loaded by TMA descriptor. What differs is how the tens
   in registers (no shared-memory staging, which would compete with the ring).
 - **The epilogue** adds the bias, applies the activation and stores from the accumulator's layout:
   every row of the block (``OUT_SORTED``, the intermediate) or the rows holding a slot, at their slot.
+- **fp8 128-block** runs the same loader (BLOCK_K = 128, one scale group per K step) and the same tile
+  walk; its consumer is the wgmma kernel's K loop (`_gemm_wgmma._fp8_tile`: each step's product goes
+  to a fresh register tile, scaled into the accumulator while the next step's wgmma runs), handing each
+  buffer back as its wgmma retires. Gated tiles keep the wgmma kernel's one ``[2 * BLOCK_N, 128]`` wgmma
+  (one A read from shared memory for both halves); the halves are split in registers, where each thread
+  already holds a gate column and its up column, so no shared-memory staging competes with the ring.
 """
 
 from triton.experimental import gluon
@@ -24,7 +31,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 # @triton.jit functions, which Gluon kernels may call
 from moe.experts._triton._gemm import _activate, _store_sorted_block, _tile_of
-from moe.experts._triton._gemm_wgmma import _block_segment, _tma_load, _warps_per_cta
+from moe.experts._triton._gemm_wgmma import (_block_segment, _fp8_mma_layout, _fp8_tile, _tile_scales, _tma_load,
+                                             _warps_per_cta)
 
 
 @gluon.jit
@@ -33,6 +41,22 @@ def _tile_count(ends_ptr, num_experts, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.con
     num_m = gl.load(ends_ptr + num_experts - 1) // BLOCK_M
     num_n = gl.cdiv(N, BLOCK_N)
     return num_m, num_n, num_m * num_n
+
+
+@gluon.jit
+def _ring(a_desc, w_desc, GATED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+          STAGES: gl.constexpr):
+    """The ring both partitions share: ``STAGES`` A and W buffers (gated: gate and up rows, ``2 * BLOCK_N``)
+    and their "ready" (loads landed) and "empty" (wgmma retired) mbarriers."""
+    WIDTH: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N  # weight rows per K step
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, WIDTH, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return a_bufs, w_bufs, ready, empty
 
 
 @gluon.jit
@@ -139,14 +163,7 @@ def moe_gemm_ws_kernel(
     """``out = act(a_sorted @ w[expert].T + bias[expert])`` over every (m block, n block) tile the layout
     uses: ``a_desc`` the sorted rows ``[rows, K]`` (block ``[BLOCK_M, BLOCK_K]``), ``w_desc`` the weights
     as ``[E * R, K]`` (block ``[BLOCK_N, BLOCK_K]``), bf16 or fp16; the module docstring says how."""
-    WIDTH: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N  # weight rows per K step
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, WIDTH, BLOCK_K], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    a_bufs, w_bufs, ready, empty = _ring(a_desc, w_desc, GATED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
     gl.warp_specialize([
         (_mma_partition, (a_bufs, w_bufs, ready, empty, bias_ptr, out_ptr, rows_ptr, ends_ptr, counts_ptr,
                           num_experts, N, K, stride_be, stride_bn, stride_om, stride_on, alpha, beta, limit,
@@ -154,4 +171,87 @@ def moe_gemm_ws_kernel(
                           STAGES, num_warps)),
         (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, ends_ptr, counts_ptr, num_experts, N, K,
                            w_rows, GATED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+    ], [1], [LOADER_REGS])
+
+
+@gluon.jit
+def _split_halves(acc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """The gate columns ``[:, :BLOCK_N]`` and the up columns ``[:, BLOCK_N:]`` of a gated accumulator, each in
+    ``layout`` (the ``BLOCK_N``-wide wgmma's): a thread holds both columns of a pair, so no data moves."""
+    halves = gl.permute(gl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1))
+    gate, up = gl.split(halves)
+    return gl.convert_layout(gate, layout), gl.convert_layout(up, layout)
+
+
+@gluon.jit
+def _fp8_mma_partition(a_bufs, w_bufs, ready, empty, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, rows_ptr, ends_ptr,
+                       counts_ptr, num_experts, N, K, w_rows, stride_asg, stride_wse, stride_wsn, stride_wsk,
+                       stride_be, stride_bn, stride_om, stride_on, alpha, beta, limit,
+                       GATED: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr,
+                       OUT_SORTED: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """The default partition of the fp8 kernel: each tile's scaled K steps as its buffers arrive, then its
+    epilogue."""
+    WIDTH: gl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N  # columns of one wgmma
+    HALF: gl.constexpr = BLOCK_N if GATED else (128 if BLOCK_N > 128 else BLOCK_N)  # columns per weight scale
+    mma: gl.constexpr = _fp8_mma_layout(BLOCK_M, WIDTH, num_warps)
+    out_l: gl.constexpr = _fp8_mma_layout(BLOCK_M, BLOCK_N, num_warps)  # one half's
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    first_half = gl.expand_dims(gl.arange(0, WIDTH, layout=gl.SliceLayout(0, mma)) < HALF, 0)
+    num_m, num_n, num_tiles = _tile_count(ends_ptr, num_experts, N, BLOCK_M, BLOCK_N)
+    n_steps = gl.cdiv(K, 128)
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        pid_m, pid_n = _tile_of(t, num_m, num_n, GROUP_M)
+        expert, valid = _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD, BLOCK_M, num_warps)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        scales = _tile_scales(a_scale_ptr, w_scale_ptr, expert, m0, n0, N, w_rows, stride_asg, stride_wse,
+                              stride_wsn, stride_wsk, GATED, BLOCK_M, rows_l)
+        # the loads are the loader partition's (no descriptors here: the buffers stand in, never read as such)
+        acc = _fp8_tile(it, n_steps, a_bufs, w_bufs, m0, 0, N, scales, ready, empty, a_bufs, w_bufs, first_half,
+                        GATED, BLOCK_M, BLOCK_N, WIDTH, STAGES, True, mma, rows_l)
+        it += n_steps
+
+        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_l))
+        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_l))
+        cols = offs_n % N  # the tail's extra columns read valid biases; they are never stored
+        b_base = bias_ptr + expert.to(gl.int64) * stride_be
+        if GATED:
+            out, up = _split_halves(acc, BLOCK_M, BLOCK_N, out_l)
+            if HAS_BIAS:
+                out += gl.expand_dims(gl.load(b_base + cols * stride_bn).to(gl.float32), 0)
+                up += gl.expand_dims(gl.load(b_base + (cols + N) * stride_bn).to(gl.float32), 0)
+            out = _activate(out, up, ACTIVATION, alpha, beta, limit)
+        else:
+            out = acc
+            if HAS_BIAS:
+                out += gl.expand_dims(gl.load(b_base + cols * stride_bn).to(gl.float32), 0)
+        _store_sorted_block(out_ptr, out, offs_m, offs_n, N, m0, valid, rows_ptr, stride_om, stride_on, OUT_SORTED,
+                            BLOCK_M)
+
+
+# the token-dependent counts are not specialized on, so one compiled kernel serves every M
+@gluon.jit(do_not_specialize=["num_experts", "stride_asg"])
+def moe_gemm_fp8_ws_kernel(
+    a_desc, w_desc, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, rows_ptr, ends_ptr, counts_ptr,
+    num_experts, N, K, w_rows, stride_asg,
+    stride_wse, stride_wsn, stride_wsk, stride_be, stride_bn, stride_om, stride_on,
+    alpha, beta, limit,
+    GATED: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, OUT_SORTED: gl.constexpr,
+    E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """``out = act(dequant(a_sorted) @ dequant(w[expert]).T + bias[expert])`` over every tile the layout
+    uses, the operands as `_gemm_wgmma.moe_gemm_fp8_wgmma_kernel`'s (e4m3, blocks ``[BLOCK_M | BLOCK_N, 128]``,
+    scales ``[groups, rows]`` and ``[E, R / 128, groups]``); the module docstring says how."""
+    a_bufs, w_bufs, ready, empty = _ring(a_desc, w_desc, GATED, BLOCK_M, BLOCK_N, 128, STAGES)
+    gl.warp_specialize([
+        (_fp8_mma_partition, (a_bufs, w_bufs, ready, empty, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, rows_ptr,
+                              ends_ptr, counts_ptr, num_experts, N, K, w_rows, stride_asg, stride_wse, stride_wsn,
+                              stride_wsk, stride_be, stride_bn, stride_om, stride_on, alpha, beta, limit,
+                              GATED, ACTIVATION, HAS_BIAS, OUT_SORTED, E_PAD, BLOCK_M, BLOCK_N, GROUP_M, STAGES,
+                              num_warps)),
+        (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, ends_ptr, counts_ptr, num_experts, N, K,
+                           w_rows, GATED, E_PAD, BLOCK_M, BLOCK_N, 128, GROUP_M, STAGES)),
     ], [1], [LOADER_REGS])

@@ -44,9 +44,10 @@ class TileConfig:
     # scaling (gemm_wgmma.py): A gathered into sorted order, both operands by TMA into a ring of
     # num_stages buffers, one 128-column scale group per K step. Set on both GEMMs or neither.
     wgmma: bool = False
-    # dense bf16/fp16 on SM90: a tma_a tile whose GEMM is the warp-specialized, persistent Gluon kernel
-    # (gemm_ws.py): a one-warp loader partition fills a ring of num_stages buffers while the num_warps
-    # others run the wgmmas and the epilogue; one program per SM walks the tiles. block_m >= 64.
+    # SM90: the warp-specialized, persistent Gluon kernels (gemm_ws.py): a one-warp loader partition fills
+    # a ring of num_stages buffers while the num_warps others run the wgmmas and the epilogue; one
+    # program per SM walks the tiles; block_m >= 64. On a tma_a tile (dense bf16/fp16) or a wgmma one
+    # (fp8_block: the wgmma tile's scaled K steps).
     ws: bool = False
 
     def __post_init__(self):
@@ -57,10 +58,11 @@ class TileConfig:
             raise MoEConfigError(f"wgmma=True tiles take block_k=128 (one scale group per K step), num_stages >= 3 "
                                  f"(loads run num_stages - 2 steps ahead), num_warps 4 or 8, and tma_a=False "
                                  f"(got {self})")
-        if self.ws and (not self.tma_a or self.num_warps not in (4, 8) or self.block_k not in (32, 64, 128)
-                        or self.num_stages < 2):
-            raise MoEConfigError(f"ws=True tiles are tma_a=True tiles (A gathered, both operands by TMA) with "
-                                 f"num_warps 4 or 8, block_k 32, 64 or 128 and num_stages >= 2 (got {self})")
+        if self.ws and (not (self.tma_a or self.wgmma) or self.num_warps not in (4, 8)
+                        or self.block_k not in (32, 64, 128) or self.num_stages < 2):
+            raise MoEConfigError(f"ws=True tiles are tma_a=True (dense) or wgmma=True (fp8_block) tiles, A gathered "
+                                 f"and both operands by TMA, with num_warps 4 or 8, block_k 32, 64 or 128 and "
+                                 f"num_stages >= 2 (got {self})")
 
 
 @dataclass(frozen=True)

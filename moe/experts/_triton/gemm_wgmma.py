@@ -9,7 +9,8 @@ the `BlockLayout`, padding included, until the second GEMM scatters to slots::
     gemm2      y[slot[r]] = dequant(inter_q[r]) @ dequant(w2[e]).T                 (rows holding a slot)
 
 The scales are stored group-major (``[groups, rows]``) so that a K step reads its BLOCK_M row scales
-contiguously. Both GEMMs are `_gemm_wgmma.moe_gemm_fp8_wgmma_kernel`: why Gluon, in its docstring.
+contiguously. Both GEMMs are `_gemm_wgmma.moe_gemm_fp8_wgmma_kernel`: why Gluon, in its docstring. A tile
+with ``ws`` set too runs its warp-specialized, persistent twin (gemm_ws.py) on the same operands.
 The twin is `gemm.grouped_gemm_reference` on the dequantized rows; the pointer path
 (``wgmma=False``) computes the same products.
 """
@@ -25,6 +26,7 @@ from moe.experts._triton.align import BlockLayout, experts_pad
 from moe.experts._triton.config import LaunchConfig, TileConfig
 from moe.experts._triton.gemm import Launch, activation_args, activation_code
 from moe.experts._triton.gemm_tma_a import gather_launch
+from moe.experts._triton.gemm_ws import fp8_ws_gemm_launch
 from moe.experts._triton.rows import GROUP, quantize_fp8_rows
 from moe.experts._triton.support import require_sm90
 from moe.experts._triton.weights import WeightOperand
@@ -33,9 +35,12 @@ from moe.quant import QuantFormat
 _MODULE = "gemm_wgmma"
 
 
-def check_wgmma_operands(w: WeightOperand, tile: TileConfig, gated: bool) -> None:
+def check_wgmma_operands(w: WeightOperand, tile: TileConfig, gated: bool, block_m: int) -> None:
     """What the kernel assumes of the weights and the tile: e4m3 128x128-block weights, and each weight
-    scale serving whole column halves of the tile (`WeightOperand.descriptor` checks the TMA rows)."""
+    scale serving whole column halves of the tile (`WeightOperand.descriptor` checks the TMA rows). A ``ws``
+    tile's consumer holds three accumulator tiles per thread (the sum, the tile being scaled in and the one
+    in flight) in the registers its warps get beside the loader: one warpgroup per 64 rows, and wgmmas at
+    most 128 columns wide."""
     if w.fmt is not QuantFormat.FP8_BLOCK or w.data.dtype != torch.float8_e4m3fn:
         raise MoEConfigError(f"wgmma=True tiles run fp8_block weights in e4m3 (got {w.fmt.value} in {w.data.dtype}); "
                              f"use wgmma=False")
@@ -45,6 +50,12 @@ def check_wgmma_operands(w: WeightOperand, tile: TileConfig, gated: bool) -> Non
                              f"{n}, so that each half of the tile has one weight scale (got {tile.block_n})")
     if not gated and tile.block_n not in (16, 32, 64, 128, 256):
         raise MoEConfigError(f"wgmma=True tiles need block_n in (16, 32, 64, 128, 256) (got {tile.block_n})")
+    width = 2 * tile.block_n if gated else tile.block_n
+    if tile.ws and (width > 128 or tile.num_warps * 16 != block_m):
+        raise MoEConfigError(f"an fp8_block ws=True tile needs num_warps = block_m / 16 (one warpgroup per 64 rows) "
+                             f"and a wgmma at most 128 columns wide (block_n <= 64 gated, <= 128 otherwise): three "
+                             f"accumulator tiles per thread must fit in registers (got block_m {block_m}, "
+                             f"num_warps {tile.num_warps}, block_n {tile.block_n}, gated {gated})")
 
 
 def wgmma_gemm_launch(a_sorted: torch.Tensor, a_scale: torch.Tensor, w: WeightOperand, out: torch.Tensor,
@@ -57,13 +68,15 @@ def wgmma_gemm_launch(a_sorted: torch.Tensor, a_scale: torch.Tensor, w: WeightOp
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     gated = activation is not None and activation.is_gated
-    check_wgmma_operands(w, tile, gated)
     block_m = layout.block_m
+    check_wgmma_operands(w, tile, gated, block_m)
     n_out, k = out.shape[1], w.k
     # A's rows are this call's workspace view; W's descriptor is made once and kept with the weights
     a_desc = TensorDescriptor(a_sorted, list(a_sorted.shape), [a_sorted.stride(0), 1], [block_m, GROUP],
                               gl.NVMMASharedLayout.get_default_for([block_m, GROUP], gl.float8e4nv))
     w_desc = w.descriptor(tile.block_n, GROUP, gluon=True)
+    if tile.ws:
+        return fp8_ws_gemm_launch(a_sorted, a_desc, a_scale, w, w_desc, out, layout, out_sorted, activation, tile)
     num_experts = layout.expert_counts.numel()
     bias = w.bias if w.bias is not None else w.scale  # never read without HAS_BIAS
     bias_strides = tuple(w.bias.stride()) if w.bias is not None else (0, 0)

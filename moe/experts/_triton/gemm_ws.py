@@ -1,4 +1,4 @@
-"""The warp-specialized, persistent dense grouped GEMM (``TileConfig.ws``; SM90, Gluon).
+"""The warp-specialized, persistent grouped GEMMs (``TileConfig.ws``; SM90, Gluon): dense and fp8 128-block.
 
 A ``ws`` tile is a ``tma_a`` tile (gemm_tma_a.py: the same row gather, the same sorted intermediate, the
 same outputs) whose GEMM is `_gemm_ws.moe_gemm_ws_kernel` instead of the Triton descriptor loop: a
@@ -7,6 +7,11 @@ program per SM walks the tiles, so the loads of a tile's first K steps run under
 last wgmmas and epilogue. Why a Gluon kernel: Triton 3.6 failed to compile, or hung, the TMA-A loop with
 ``warp_specialize=True`` (benchmarks/results/tma_a_nvidia-h100.md); Gluon states the partitions, their
 barriers and their registers itself.
+
+An fp8_block tile with ``wgmma`` and ``ws`` set is the same for the wgmma tiles (gemm_wgmma.py: the same
+gathered e4m3 rows and group-major scales, the same sorted intermediate): `fp8_ws_gemm_launch`, which
+`gemm_wgmma.wgmma_gemm_launch` calls for them, runs `_gemm_ws.moe_gemm_fp8_ws_kernel`, the wgmma kernel's
+scaled K steps fed by the same loader partition.
 """
 
 from __future__ import annotations
@@ -51,6 +56,14 @@ def check_ws(a_sorted: torch.Tensor) -> None:
                              f"use ws=False")
 
 
+def _persistent_grid(a_sorted: torch.Tensor, layout: BlockLayout, n_out: int, block_n: int) -> tuple[int]:
+    """One program per SM, or one per tile where the most tiles any M of this layout can have are fewer (the
+    kernel stops at those the routing filled)."""
+    tiles = layout.max_blocks * cdiv(n_out, block_n)
+    index = a_sorted.device.index if a_sorted.device.index is not None else torch.cuda.current_device()
+    return (max(1, min(tiles, _sm_count(index))),)
+
+
 def ws_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tensor, layout: BlockLayout,
                    out_sorted: bool, activation: Activation | None, tile: TileConfig) -> Launch:
     """The launch of ``out = act(a_sorted @ w[expert].T + bias[expert])`` over the layout's blocks, as
@@ -79,8 +92,29 @@ def ws_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tensor, 
         STAGES=tile.num_stages, LOADER_REGS=LOADER_REGS,
         num_warps=tile.num_warps, maxnreg=max_registers(tile.num_warps),
     )
-    # the most tiles any M of this layout can have: the kernel stops at those the routing filled
-    tiles = layout.max_blocks * cdiv(n_out, tile.block_n)
-    index = a_sorted.device.index if a_sorted.device.index is not None else torch.cuda.current_device()
-    grid = (max(1, min(tiles, _sm_count(index))),)
-    return Launch(grid, args, constexprs, kernel=(_MODULE, "moe_gemm_ws_kernel"))
+    return Launch(_persistent_grid(a_sorted, layout, n_out, tile.block_n), args, constexprs,
+                  kernel=(_MODULE, "moe_gemm_ws_kernel"))
+
+
+def fp8_ws_gemm_launch(a_sorted: torch.Tensor, a_desc, a_scale: torch.Tensor, w: WeightOperand, w_desc,
+                       out: torch.Tensor, layout: BlockLayout, out_sorted: bool, activation: Activation | None,
+                       tile: TileConfig) -> Launch:
+    """The launch of an fp8_block ``wgmma`` and ``ws`` tile, whose operands and descriptors
+    `gemm_wgmma.wgmma_gemm_launch` has checked and made: one program per SM, or fewer."""
+    require_sm90(a_sorted.device, "ws")
+    gated = activation is not None and activation.is_gated
+    n_out, k = out.shape[1], w.k
+    num_experts = layout.expert_counts.numel()
+    bias = w.bias if w.bias is not None else w.scale  # never read without HAS_BIAS
+    bias_strides = tuple(w.bias.stride()) if w.bias is not None else (0, 0)
+    args = (a_desc, w_desc, a_scale, w.scale, bias, out, layout.sorted_slots, layout.expert_ends,
+            layout.expert_counts, num_experts, n_out, k, w.data.shape[1], a_scale.stride(0),
+            *w.scale.stride(), *bias_strides, out.stride(0), out.stride(1), *activation_args(activation))
+    constexprs = dict(
+        GATED=gated, ACTIVATION=activation_code(activation), HAS_BIAS=w.bias is not None,
+        OUT_SORTED=out_sorted, E_PAD=experts_pad(num_experts), BLOCK_M=layout.block_m, BLOCK_N=tile.block_n,
+        GROUP_M=tile.group_m, STAGES=tile.num_stages, LOADER_REGS=LOADER_REGS,
+        num_warps=tile.num_warps, maxnreg=max_registers(tile.num_warps),
+    )
+    return Launch(_persistent_grid(a_sorted, layout, n_out, tile.block_n), args, constexprs,
+                  kernel=(_MODULE, "moe_gemm_fp8_ws_kernel"))
