@@ -268,6 +268,31 @@ def test_fp8_row_quantization_is_bit_exact(fmt, validity):
     assert torch.equal(got[mask], want[mask])
 
 
+@pytest.mark.parametrize("programs", [1, 2, 3])
+def test_fp8_group_quantization_is_the_same_on_any_grid(programs):
+    """The 128-group kernel's programs along K take the groups program_id(1), + num_programs(1), ...: one group
+    each, all of K, or anything between gives the same codes and scales (K = 300: a partial last group)."""
+    from moe.experts._triton import kernels
+    from moe.experts._triton.rows import FP8_MODES
+
+    x = torch.randn(40, 300)
+    q = torch.empty(40, 300, dtype=torch.float8_e4m3fn)
+    scale = torch.full((3 * 40,), float("nan"))  # [groups, rows]: every entry must be written
+    kernels("rows").fp8_quant_kernel[(3, programs)](
+        x, q, scale, scale, x, x, 40, 300, 0, x.stride(0), q.stride(0), 1, 40,
+        MODE=FP8_MODES[QuantFormat.FP8_BLOCK], VALID=0, BLOCK_R=16, BLOCK_K=128)
+    want, _ = quantize_fp8_rows_reference(x, QuantFormat.FP8_BLOCK)
+    assert torch.equal(q.float() * scale.view(3, 40).t().repeat_interleave(128, dim=1)[:, :300], want)
+
+
+def test_fp8_group_programs_follow_the_row_blocks():
+    from moe.experts._triton.rows import LOOP_ROW_BLOCKS, fp8_group_programs
+
+    assert fp8_group_programs(QuantFormat.FP8_BLOCK, 10240, 2048) == 16  # few row blocks: one group each
+    assert fp8_group_programs(QuantFormat.FP8_BLOCK, 16 * LOOP_ROW_BLOCKS, 2048) == 1  # many: a loop over K
+    assert fp8_group_programs(QuantFormat.FP8_ROW, 16, 2048) == 1  # a row's scale needs all of K
+
+
 @pytest.mark.parametrize("with_map", [False, True])
 def test_combine_matches_twin(with_map):
     y = torch.randn(5 * 3, 40).half()

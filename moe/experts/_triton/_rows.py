@@ -113,8 +113,9 @@ def fp8_quant_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, valid_ptr, map_ptr, num_
             mask = ok[:, None] & (k0 + cols[None, :] < K)
             x = tl.load(x_rows + k0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(q_rows + k0 + cols[None, :], _to_e4m3(x, scale[:, None]), mask=mask)
-    else:  # one scale per 128 columns; BLOCK_K == 128
-        for k0 in range(0, K, BLOCK_K):
+    else:  # one scale per 128 columns (BLOCK_K == 128): groups program_id(1), + num_programs(1), ...
+        # (rows.fp8_group_programs: one group per program, or all of K)
+        for k0 in range(tl.program_id(1) * BLOCK_K, K, tl.num_programs(1) * BLOCK_K):
             mask = ok[:, None] & (k0 + cols[None, :] < K)
             x = tl.load(x_rows + k0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             scale = _group_scales(x)

@@ -22,6 +22,11 @@ from moe.quant import QuantFormat, QuantizedTensor, dequantize, quantize
 FP8_MODES = {QuantFormat.FP8_TENSOR: 1, QuantFormat.FP8_ROW: 2, QuantFormat.FP8_BLOCK: 3}
 GROUP = 128  # FP8_BLOCK activation group along K
 _BLOCK_R = 16
+# FP8_BLOCK with fewer row blocks than this gives each (row block, 128-column group) its own program; with more,
+# each row block's program loops over K (benchmarks/results/fp8_quant_grid_nvidia-h200.json, H200: the DeepSeek
+# slice's intermediate at M = 1024, 640 row blocks, 30.5 -> 23.0 us; at M = 16384, 8448 row blocks, the loop
+# 218.7 against 235.3 us; GPT-OSS's at 16384, 4608 row blocks, 176.2 against 192.2 us)
+LOOP_ROW_BLOCKS = 4096
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,14 @@ def fp8_scale_shape(fmt: QuantFormat, rows: int, k: int) -> tuple[int, ...]:
     return (rows, cdiv(k, GROUP))
 
 
+def fp8_group_programs(fmt: QuantFormat, rows: int, k: int) -> int:
+    """Programs per row block of `quantize_fp8_rows`' kernel: one per 128-column group (FP8_BLOCK while
+    row blocks are few, `LOOP_ROW_BLOCKS`), else one looping over K."""
+    if fmt is QuantFormat.FP8_BLOCK and cdiv(rows, _BLOCK_R) < LOOP_ROW_BLOCKS:
+        return cdiv(k, GROUP)
+    return 1
+
+
 def quantize_fp8_rows(
     x: torch.Tensor,
     fmt: QuantFormat,
@@ -85,12 +98,13 @@ def quantize_fp8_rows(
     valid_ptr, map_ptr, rows_per_expert, valid_mode = validity.kernel_args(x)
     grid = (cdiv(rows, _BLOCK_R),)
     block_k = GROUP if fmt is QuantFormat.FP8_BLOCK else min(256, next_power_of_2(k))
+    quant_grid = (grid[0], fp8_group_programs(fmt, rows, k))
     if fmt is QuantFormat.FP8_TENSOR:
         amax.zero_()
         _rows.amax_kernel[grid](x, amax, valid_ptr, map_ptr, rows, k, rows_per_expert, x.stride(0),
                                 VALID=valid_mode, BLOCK_R=_BLOCK_R, BLOCK_K=block_k)
     s_strides = tuple(scale.stride()) + (0, 0)
-    _rows.fp8_quant_kernel[grid](
+    _rows.fp8_quant_kernel[quant_grid](
         x, q, scale, amax, valid_ptr, map_ptr, rows, k, rows_per_expert,
         x.stride(0), q.stride(0), s_strides[0], s_strides[1],
         MODE=mode, VALID=valid_mode, BLOCK_R=_BLOCK_R, BLOCK_K=block_k,
