@@ -41,23 +41,43 @@ def _epilogue_layout(block_n, num_warps):
     return gl.BlockedLayout([1, 8], [32 // threads_n, threads_n], [num_warps, 1], [1, 0])
 
 
+@gluon.constexpr_function
+def _experts_layout(e_pad, num_warps):
+    """A layout of ``[E_PAD]`` that every warp holds whole (replicated), so that a reduction over the experts
+    stays within a warp: no shared memory, no barrier."""
+    return gl.BlockedLayout([max(1, e_pad // 32)], [32], [num_warps], [0])
+
+
 @gluon.jit
-def _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr,
-                   num_warps: gl.constexpr):
-    """(expert, rows holding a slot) of sorted block ``pid_m``; expert == num_experts past the last
-    segment. The twin of _gemm._block_segment, which a Gluon kernel cannot call: its ``tl.arange`` over the
-    experts has no layout, and Gluon needs one."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    first = pid_m * BLOCK_M
+def _expert_segments(ends_ptr, counts_ptr, num_experts, E_PAD: gl.constexpr, layout: gl.constexpr):
+    """The experts' padded segment ends and slot counts, loaded once: (experts, is_expert, ends, counts)."""
     experts = gl.arange(0, E_PAD, layout=layout)
     is_expert = experts < num_experts
     ends = gl.load(ends_ptr + experts, mask=is_expert, other=0)
     counts = gl.load(counts_ptr + experts, mask=is_expert, other=0)
+    return experts, is_expert, ends, counts
+
+
+@gluon.jit
+def _segment_of(pid_m, segments, BLOCK_M: gl.constexpr):
+    """(expert, rows holding a slot) of sorted block ``pid_m`` from `_expert_segments`; expert == num_experts
+    past the last segment. The twin of _gemm._block_segment, which a Gluon kernel cannot call: its
+    ``tl.arange`` over the experts has no layout, and Gluon needs one."""
+    experts, is_expert, ends, counts = segments
+    first = pid_m * BLOCK_M
     expert = gl.sum(((ends <= first) & is_expert).to(gl.int32), 0)
     count = gl.sum(gl.where(experts == expert, counts, 0), 0)
     end = gl.sum(gl.where(experts == expert, ends, 0), 0)
     segment_start = end - (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     return expert, count - (first - segment_start)
+
+
+@gluon.jit
+def _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """`_segment_of` one block, the segments loaded for it."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    return _segment_of(pid_m, _expert_segments(ends_ptr, counts_ptr, num_experts, E_PAD, layout), BLOCK_M)
 
 
 @gluon.jit

@@ -7,6 +7,9 @@ W is ``[E * R, K]``, both loaded by TMA descriptor. What differs is how the tens
 - **Persistent.** The grid is one program per SM (at most); program p takes the tiles p, p + grid, ...
   of the (m block, n block) order, ``GROUP_M`` m blocks at a time, up to the blocks the layout uses
   (read from ``ends_ptr`` on the GPU, so one grid serves every M and CUDA graphs replay it).
+  The experts' segment ends and counts are loaded once per program, in a layout every warp holds whole,
+  so finding a tile's expert is a reduction within each warp: no loads, shared memory or barrier between
+  one tile's epilogue and the next tile's first wgmma.
 - **Warp-specialized.** A one-warp loader partition walks the same tiles and issues every TMA load into
   a ring of ``STAGES`` shared-memory buffers, each guarded by a "ready" and an "empty" mbarrier. The
   default partition (``num_warps`` warps, 64 rows per warpgroup) waits for a buffer, issues its
@@ -31,8 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 # @triton.jit functions, which Gluon kernels may call
 from moe.experts._triton._gemm import _activate, _store_sorted_block, _tile_of
-from moe.experts._triton._gemm_wgmma import (_block_segment, _fp8_mma_layout, _fp8_tile, _tile_scales, _tma_load,
-                                             _warps_per_cta)
+from moe.experts._triton._gemm_wgmma import (_expert_segments, _experts_layout, _fp8_mma_layout, _fp8_tile,
+                                             _segment_of, _tile_scales, _tma_load, _warps_per_cta)
 
 
 @gluon.jit
@@ -67,10 +70,11 @@ def _load_partition(a_desc, w_desc, a_bufs, w_bufs, ready, empty, ends_ptr, coun
     num_m, num_n, num_tiles = _tile_count(ends_ptr, num_experts, N, BLOCK_M, BLOCK_N)
     n_steps = gl.cdiv(K, BLOCK_K)
     NBYTES: gl.constexpr = a_desc.block_type.nbytes + (2 if GATED else 1) * w_desc.block_type.nbytes
+    segments = _expert_segments(ends_ptr, counts_ptr, num_experts, E_PAD, _experts_layout(E_PAD, 1))
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         pid_m, pid_n = _tile_of(t, num_m, num_n, GROUP_M)
-        expert, _ = _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD, BLOCK_M, 1)
+        expert, _ = _segment_of(pid_m, segments, BLOCK_M)
         m0 = pid_m * BLOCK_M
         w_row = expert * w_rows + pid_n * BLOCK_N
         for step in range(n_steps):
@@ -106,10 +110,11 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, bias_ptr, out_ptr, rows_ptr, en
     n_steps = gl.cdiv(K, BLOCK_K)
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)  # the gate half when GATED
     up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)
+    segments = _expert_segments(ends_ptr, counts_ptr, num_experts, E_PAD, _experts_layout(E_PAD, num_warps))
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         pid_m, pid_n = _tile_of(t, num_m, num_n, GROUP_M)
-        expert, valid = _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD, BLOCK_M, num_warps)
+        expert, valid = _segment_of(pid_m, segments, BLOCK_M)
         for step in range(n_steps):
             index = it % STAGES
             mbarrier.wait(ready.index(index), (it // STAGES) & 1)
@@ -158,7 +163,8 @@ def moe_gemm_ws_kernel(
     alpha, beta, limit,
     GATED: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, OUT_SORTED: gl.constexpr,
     E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOADER_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """``out = act(a_sorted @ w[expert].T + bias[expert])`` over every (m block, n block) tile the layout
     uses: ``a_desc`` the sorted rows ``[rows, K]`` (block ``[BLOCK_M, BLOCK_K]``), ``w_desc`` the weights
@@ -200,10 +206,11 @@ def _fp8_mma_partition(a_bufs, w_bufs, ready, empty, a_scale_ptr, w_scale_ptr, b
     first_half = gl.expand_dims(gl.arange(0, WIDTH, layout=gl.SliceLayout(0, mma)) < HALF, 0)
     num_m, num_n, num_tiles = _tile_count(ends_ptr, num_experts, N, BLOCK_M, BLOCK_N)
     n_steps = gl.cdiv(K, 128)
+    segments = _expert_segments(ends_ptr, counts_ptr, num_experts, E_PAD, _experts_layout(E_PAD, num_warps))
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         pid_m, pid_n = _tile_of(t, num_m, num_n, GROUP_M)
-        expert, valid = _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD, BLOCK_M, num_warps)
+        expert, valid = _segment_of(pid_m, segments, BLOCK_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
         scales = _tile_scales(a_scale_ptr, w_scale_ptr, expert, m0, n0, N, w_rows, stride_asg, stride_wse,
