@@ -71,9 +71,9 @@ MACHINES = {
         "fp4_gemv_s14_bench_mxfp4_qwen3_flashinfer_nvidia-h200.json": ("records", None),
         "fp4_gemv_s14_bench_nvfp4_nvidia-h200.json": ("records", None),
         "fp4_gemv_s14_bench_bf16_nvidia-h200.json": ("records", None),
-        # session 16: fp8_block with the warp-specialized fp8 tiles in the tables (Qwen3, DeepSeek slice, GPT-OSS)
-        # and the per-group quantization grid, the final code's run (fp8_block only; fp8_block_ws_bench_* is the
-        # first run, with bf16 beside it)
+        # session 16: fp8_block with the warp-specialized fp8 tiles in the tables (Qwen3, DeepSeek slice, GPT-OSS),
+        # the per-group quantization grid and the segments loaded once, the final code's run (fp8_block only;
+        # fp8_block_ws_bench_* is the first run, with bf16 beside it)
         "fp8_block_ws_final_bench_nvidia-h200.json": ("records", None),
         # session 15: the warp-specialized bf16 GEMMs (ws tiles) in the tables, FlashInfer and torch_grouped beside;
         # Qwen3 MXFP4 decode at M = 1-4 after bucket 0.1's re-tune, bf16 beside
