@@ -163,8 +163,7 @@ def moe_gemm_ws_kernel(
     alpha, beta, limit,
     GATED: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, OUT_SORTED: gl.constexpr,
     E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOADER_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``out = act(a_sorted @ w[expert].T + bias[expert])`` over every (m block, n block) tile the layout
     uses: ``a_desc`` the sorted rows ``[rows, K]`` (block ``[BLOCK_M, BLOCK_K]``), ``w_desc`` the weights
