@@ -49,9 +49,10 @@ def _experts_layout(e_pad, num_warps):
 
 
 @gluon.jit
-def _expert_segments(ends_ptr, counts_ptr, num_experts, E_PAD: gl.constexpr, layout: gl.constexpr):
-    """The experts' padded segment ends and slot counts, loaded once: (experts, is_expert, ends, counts)."""
-    experts = gl.arange(0, E_PAD, layout=layout)
+def _expert_segments(ends_ptr, counts_ptr, num_experts, E_PAD: gl.constexpr, num_warps: gl.constexpr):
+    """The experts' padded segment ends and slot counts, loaded once, every warp holding them all: (experts,
+    is_expert, ends, counts)."""
+    experts = gl.arange(0, E_PAD, layout=_experts_layout(E_PAD, num_warps))
     is_expert = experts < num_experts
     ends = gl.load(ends_ptr + experts, mask=is_expert, other=0)
     counts = gl.load(counts_ptr + experts, mask=is_expert, other=0)
@@ -76,8 +77,7 @@ def _segment_of(pid_m, segments, BLOCK_M: gl.constexpr):
 def _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr,
                    num_warps: gl.constexpr):
     """`_segment_of` one block, the segments loaded for it."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    return _segment_of(pid_m, _expert_segments(ends_ptr, counts_ptr, num_experts, E_PAD, layout), BLOCK_M)
+    return _segment_of(pid_m, _expert_segments(ends_ptr, counts_ptr, num_experts, E_PAD, num_warps), BLOCK_M)
 
 
 @gluon.jit

@@ -34,8 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 # @triton.jit functions, which Gluon kernels may call
 from moe.experts._triton._gemm import _activate, _store_sorted_block, _tile_of
-from moe.experts._triton._gemm_wgmma import (_expert_segments, _experts_layout, _fp8_mma_layout, _fp8_tile,
-                                             _segment_of, _tile_scales, _tma_load, _warps_per_cta)
+from moe.experts._triton._gemm_wgmma import (_expert_segments, _fp8_mma_layout, _fp8_tile, _segment_of, _tile_scales,
+                                             _tma_load, _warps_per_cta)
 
 
 @gluon.jit
@@ -70,7 +70,7 @@ def _load_partition(a_desc, w_desc, a_bufs, w_bufs, ready, empty, ends_ptr, coun
     num_m, num_n, num_tiles = _tile_count(ends_ptr, num_experts, N, BLOCK_M, BLOCK_N)
     n_steps = gl.cdiv(K, BLOCK_K)
     NBYTES: gl.constexpr = a_desc.block_type.nbytes + (2 if GATED else 1) * w_desc.block_type.nbytes
-    segments = _expert_segments(ends_ptr, counts_ptr, num_experts, E_PAD, _experts_layout(E_PAD, 1))
+    segments = _expert_segments(ends_ptr, counts_ptr, num_experts, E_PAD, 1)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         pid_m, pid_n = _tile_of(t, num_m, num_n, GROUP_M)
@@ -110,7 +110,7 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, bias_ptr, out_ptr, rows_ptr, en
     n_steps = gl.cdiv(K, BLOCK_K)
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)  # the gate half when GATED
     up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)
-    segments = _expert_segments(ends_ptr, counts_ptr, num_experts, E_PAD, _experts_layout(E_PAD, num_warps))
+    segments = _expert_segments(ends_ptr, counts_ptr, num_experts, E_PAD, num_warps)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         pid_m, pid_n = _tile_of(t, num_m, num_n, GROUP_M)
@@ -205,7 +205,7 @@ def _fp8_mma_partition(a_bufs, w_bufs, ready, empty, a_scale_ptr, w_scale_ptr, b
     first_half = gl.expand_dims(gl.arange(0, WIDTH, layout=gl.SliceLayout(0, mma)) < HALF, 0)
     num_m, num_n, num_tiles = _tile_count(ends_ptr, num_experts, N, BLOCK_M, BLOCK_N)
     n_steps = gl.cdiv(K, 128)
-    segments = _expert_segments(ends_ptr, counts_ptr, num_experts, E_PAD, _experts_layout(E_PAD, num_warps))
+    segments = _expert_segments(ends_ptr, counts_ptr, num_experts, E_PAD, num_warps)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         pid_m, pid_n = _tile_of(t, num_m, num_n, GROUP_M)

@@ -86,6 +86,12 @@ def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
     return (strides + (0,) * n)[:n]
 
 
+def bias_args(w: WeightOperand) -> tuple[torch.Tensor, tuple[int, int]]:
+    """(the bias operand, its expert and column strides) of the sorted-row launches: ``w.bias``, or the weights
+    standing in with zero strides (the kernels read it only with ``HAS_BIAS``)."""
+    return (w.bias if w.bias is not None else w.data), _strides(w.bias, 2)
+
+
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch, fully resolved: what `grouped_gemm` runs and what the tuner precompiles."""

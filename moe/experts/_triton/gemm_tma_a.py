@@ -24,7 +24,8 @@ from moe.errors import MoEConfigError
 from moe.experts._triton import cdiv, next_power_of_2
 from moe.experts._triton.align import BlockLayout, experts_pad, padded_rows
 from moe.experts._triton.config import BLOCK_MS, LaunchConfig, TileConfig
-from moe.experts._triton.gemm import Launch, SortedRows, activation_args, activation_code, grouped_gemm
+from moe.experts._triton.gemm import (Launch, SortedRows, activation_args, activation_code, bias_args,
+                                      grouped_gemm)
 from moe.experts._triton.gemm_ws import ws_gemm_launch
 from moe.experts._triton.weights import WeightOperand, check_tma_a_weights
 
@@ -88,8 +89,7 @@ def tma_a_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tenso
     n_out, k = out.shape[1], w.k
     a_desc = TensorDescriptor(a_sorted, list(a_sorted.shape), [a_sorted.stride(0), 1], [block_m, tile.block_k])
     num_experts = layout.expert_counts.numel()
-    bias = w.bias if w.bias is not None else w.data  # never read without HAS_BIAS
-    bias_strides = tuple(w.bias.stride()) if w.bias is not None else (0, 0)
+    bias, bias_strides = bias_args(w)
     args = (a_desc, w.descriptor(tile.block_n, tile.block_k), bias, out,
             layout.sorted_slots, layout.expert_ends, layout.expert_counts,
             layout.max_blocks, num_experts, n_out, k, w.data.shape[1], *bias_strides,

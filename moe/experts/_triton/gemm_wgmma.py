@@ -24,9 +24,9 @@ from moe.errors import MoEConfigError
 from moe.experts._triton import cdiv
 from moe.experts._triton.align import BlockLayout, experts_pad
 from moe.experts._triton.config import LaunchConfig, TileConfig
-from moe.experts._triton.gemm import Launch, activation_args, activation_code
+from moe.experts._triton.gemm import Launch, activation_args, activation_code, bias_args
 from moe.experts._triton.gemm_tma_a import gather_launch
-from moe.experts._triton.gemm_ws import fp8_ws_gemm_launch
+from moe.experts._triton.gemm_ws import persistent_launch
 from moe.experts._triton.rows import GROUP, quantize_fp8_rows
 from moe.experts._triton.support import require_sm90
 from moe.experts._triton.weights import WeightOperand
@@ -75,22 +75,25 @@ def wgmma_gemm_launch(a_sorted: torch.Tensor, a_scale: torch.Tensor, w: WeightOp
     a_desc = TensorDescriptor(a_sorted, list(a_sorted.shape), [a_sorted.stride(0), 1], [block_m, GROUP],
                               gl.NVMMASharedLayout.get_default_for([block_m, GROUP], gl.float8e4nv))
     w_desc = w.descriptor(tile.block_n, GROUP, gluon=True)
-    if tile.ws:
-        return fp8_ws_gemm_launch(a_sorted, a_desc, a_scale, w, w_desc, out, layout, out_sorted, activation, tile)
     num_experts = layout.expert_counts.numel()
-    bias = w.bias if w.bias is not None else w.scale  # never read without HAS_BIAS
-    bias_strides = tuple(w.bias.stride()) if w.bias is not None else (0, 0)
-    args = (a_desc, w_desc, a_scale, w.scale, bias, out, layout.sorted_slots, layout.expert_ends, layout.expert_counts,
-            layout.max_blocks, num_experts, n_out, k, w.data.shape[1], a_scale.stride(0),
-            *w.scale.stride(), *bias_strides, out.stride(0), out.stride(1), *activation_args(activation))
+    bias, bias_strides = bias_args(w)
+    operands = (a_desc, w_desc, a_scale, w.scale, bias, out, layout.sorted_slots, layout.expert_ends,
+                layout.expert_counts)
+    shape = (num_experts, n_out, k, w.data.shape[1], a_scale.stride(0), *w.scale.stride(), *bias_strides,
+             out.stride(0), out.stride(1), *activation_args(activation))
     constexprs = dict(
         GATED=gated, ACTIVATION=activation_code(activation), HAS_BIAS=w.bias is not None,
         OUT_SORTED=out_sorted,
         E_PAD=experts_pad(num_experts), BLOCK_M=block_m, BLOCK_N=tile.block_n, GROUP_M=tile.group_m,
-        STAGES=tile.num_stages, num_warps=tile.num_warps,
+        STAGES=tile.num_stages,
     )
+    if tile.ws:  # the persistent kernel walks the blocks the routing filled: no block count
+        require_sm90(a_sorted.device, "ws")
+        return persistent_launch("moe_gemm_fp8_ws_kernel", a_sorted, layout, n_out, tile, operands + shape,
+                                 constexprs)
     grid = (layout.max_blocks * cdiv(n_out, tile.block_n),)
-    return Launch(grid, args, constexprs, kernel=(_MODULE, "moe_gemm_fp8_wgmma_kernel"))
+    return Launch(grid, operands + (layout.max_blocks,) + shape, dict(constexprs, num_warps=tile.num_warps),
+                  kernel=(_MODULE, "moe_gemm_fp8_wgmma_kernel"))
 
 
 def sorted_wgmma_gemms(x_q: torch.Tensor, x_scale: torch.Tensor, w13: WeightOperand, w2: WeightOperand,

@@ -9,8 +9,8 @@ last wgmmas and epilogue. Why a Gluon kernel: Triton 3.6 failed to compile, or h
 barriers and their registers itself.
 
 An fp8_block tile with ``wgmma`` and ``ws`` set is the same for the wgmma tiles (gemm_wgmma.py: the same
-gathered e4m3 rows and group-major scales, the same sorted intermediate): `fp8_ws_gemm_launch`, which
-`gemm_wgmma.wgmma_gemm_launch` calls for them, runs `_gemm_ws.moe_gemm_fp8_ws_kernel`, the wgmma kernel's
+gathered e4m3 rows and group-major scales, the same sorted intermediate): `gemm_wgmma.wgmma_gemm_launch`
+launches `_gemm_ws.moe_gemm_fp8_ws_kernel` for them through `persistent_launch`, the wgmma kernel's
 scaled K steps fed by the same loader partition.
 """
 
@@ -25,7 +25,7 @@ from moe.errors import MoEConfigError
 from moe.experts._triton import cdiv
 from moe.experts._triton.align import BlockLayout, experts_pad
 from moe.experts._triton.config import TileConfig
-from moe.experts._triton.gemm import Launch, activation_args, activation_code
+from moe.experts._triton.gemm import Launch, activation_args, activation_code, bias_args
 from moe.experts._triton.support import require_sm90
 from moe.experts._triton.weights import WeightOperand
 
@@ -47,7 +47,7 @@ def _sm_count(index: int) -> int:
 
 
 def check_ws(a_sorted: torch.Tensor) -> None:
-    """What the kernel needs beyond a tma_a tile's (`gemm_tma_a._check_operands`: dense weights in the
+    """What the dense kernel needs beyond a tma_a tile's (`gemm_tma_a._check_operands`: dense weights in the
     activations' dtype, A rows TMA can load; `LaunchConfig`: 64-row blocks): an SM90 GPU (wgmma, Gluon's warp
     specialization) and 16-bit activations."""
     require_sm90(a_sorted.device, "ws")
@@ -56,12 +56,16 @@ def check_ws(a_sorted: torch.Tensor) -> None:
                              f"use ws=False")
 
 
-def _persistent_grid(a_sorted: torch.Tensor, layout: BlockLayout, n_out: int, block_n: int) -> tuple[int]:
-    """One program per SM, or one per tile where the most tiles any M of this layout can have are fewer (the
-    kernel stops at those the routing filled)."""
-    tiles = layout.max_blocks * cdiv(n_out, block_n)
+def persistent_launch(kernel: str, a_sorted: torch.Tensor, layout: BlockLayout, n_out: int, tile: TileConfig,
+                      args: tuple, constexprs: dict) -> Launch:
+    """The launch of ``kernel`` (this module's dense or fp8 ws kernel) for a ``ws`` tile: the loader's register
+    split, and one program per SM, or one per tile where the most tiles any M of this layout can have are fewer
+    (the kernel stops at those the routing filled)."""
+    tiles = layout.max_blocks * cdiv(n_out, tile.block_n)
     index = a_sorted.device.index if a_sorted.device.index is not None else torch.cuda.current_device()
-    return (max(1, min(tiles, _sm_count(index))),)
+    constexprs = dict(constexprs, LOADER_REGS=LOADER_REGS, num_warps=tile.num_warps,
+                      maxnreg=max_registers(tile.num_warps))
+    return Launch((max(1, min(tiles, _sm_count(index))),), args, constexprs, kernel=(_MODULE, kernel))
 
 
 def ws_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tensor, layout: BlockLayout,
@@ -79,8 +83,7 @@ def ws_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tensor, 
     a_desc = TensorDescriptor(a_sorted, list(a_sorted.shape), [a_sorted.stride(0), 1], [block_m, tile.block_k],
                               gl.NVMMASharedLayout.get_default_for([block_m, tile.block_k], element))
     num_experts = layout.expert_counts.numel()
-    bias = w.bias if w.bias is not None else w.data  # never read without HAS_BIAS
-    bias_strides = tuple(w.bias.stride()) if w.bias is not None else (0, 0)
+    bias, bias_strides = bias_args(w)
     args = (a_desc, w.descriptor(tile.block_n, tile.block_k, gluon=True), bias, out,
             layout.sorted_slots, layout.expert_ends, layout.expert_counts,
             num_experts, n_out, k, w.data.shape[1], *bias_strides, out.stride(0), out.stride(1),
@@ -89,32 +92,6 @@ def ws_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tensor, 
         GATED=gated, ACTIVATION=activation_code(activation), HAS_BIAS=w.bias is not None,
         OUT_SORTED=out_sorted, E_PAD=experts_pad(num_experts),
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-        STAGES=tile.num_stages, LOADER_REGS=LOADER_REGS,
-        num_warps=tile.num_warps, maxnreg=max_registers(tile.num_warps),
+        STAGES=tile.num_stages,
     )
-    return Launch(_persistent_grid(a_sorted, layout, n_out, tile.block_n), args, constexprs,
-                  kernel=(_MODULE, "moe_gemm_ws_kernel"))
-
-
-def fp8_ws_gemm_launch(a_sorted: torch.Tensor, a_desc, a_scale: torch.Tensor, w: WeightOperand, w_desc,
-                       out: torch.Tensor, layout: BlockLayout, out_sorted: bool, activation: Activation | None,
-                       tile: TileConfig) -> Launch:
-    """The launch of an fp8_block ``wgmma`` and ``ws`` tile, whose operands and descriptors
-    `gemm_wgmma.wgmma_gemm_launch` has checked and made: one program per SM, or fewer."""
-    require_sm90(a_sorted.device, "ws")
-    gated = activation is not None and activation.is_gated
-    n_out, k = out.shape[1], w.k
-    num_experts = layout.expert_counts.numel()
-    bias = w.bias if w.bias is not None else w.scale  # never read without HAS_BIAS
-    bias_strides = tuple(w.bias.stride()) if w.bias is not None else (0, 0)
-    args = (a_desc, w_desc, a_scale, w.scale, bias, out, layout.sorted_slots, layout.expert_ends,
-            layout.expert_counts, num_experts, n_out, k, w.data.shape[1], a_scale.stride(0),
-            *w.scale.stride(), *bias_strides, out.stride(0), out.stride(1), *activation_args(activation))
-    constexprs = dict(
-        GATED=gated, ACTIVATION=activation_code(activation), HAS_BIAS=w.bias is not None,
-        OUT_SORTED=out_sorted, E_PAD=experts_pad(num_experts), BLOCK_M=layout.block_m, BLOCK_N=tile.block_n,
-        GROUP_M=tile.group_m, STAGES=tile.num_stages, LOADER_REGS=LOADER_REGS,
-        num_warps=tile.num_warps, maxnreg=max_registers(tile.num_warps),
-    )
-    return Launch(_persistent_grid(a_sorted, layout, n_out, tile.block_n), args, constexprs,
-                  kernel=(_MODULE, "moe_gemm_fp8_ws_kernel"))
+    return persistent_launch("moe_gemm_ws_kernel", a_sorted, layout, n_out, tile, args, constexprs)
