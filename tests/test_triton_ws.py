@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from moe.errors import MoEConfigError  # noqa: E402
 from moe.experts._triton.config import ConfigTable, LaunchConfig, TileConfig  # noqa: E402
 from moe.experts._triton.gemm_wgmma import check_wgmma_operands  # noqa: E402
-from moe.experts._triton.gemm_ws import LOADER_REGS, max_registers  # noqa: E402
+from moe.experts._triton.gemm_ws import LOADER_REGS, fp8_programs_per_sm, max_registers  # noqa: E402
 from moe.experts._triton.support import config_key  # noqa: E402
 from moe.experts._triton.weights import prepare_triton_weights  # noqa: E402
 from moe.experts.triton import TritonExperts  # noqa: E402
@@ -58,14 +58,26 @@ def test_ws_tables_round_trip():
     assert LaunchConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
 
 
-@pytest.mark.parametrize("num_warps", [4, 8])
-def test_register_split_fits_the_register_file(num_warps):
-    """maxnreg for every warp (the wgmma warps plus the loader's warpgroup) fits 64K registers, in multiples of
-    8 (setmaxnreg's unit), and leaves the wgmma warps more than the loader keeps."""
-    regs = max_registers(num_warps)
-    assert regs % 8 == 0 and regs * 32 * (num_warps + 4) <= 65536
+@pytest.mark.parametrize("num_warps,programs", [(4, 1), (8, 1), (4, 2)])
+def test_register_split_fits_the_register_file(num_warps, programs):
+    """maxnreg for every warp (the wgmma warps plus the loader's warpgroup) of each program on an SM fits 64K
+    registers, in multiples of 8 (setmaxnreg's unit), and leaves the wgmma warps more than the loader keeps:
+    at least the three 64-register accumulator tiles of the fp8 consumer."""
+    regs = max_registers(num_warps, programs)
+    assert regs % 8 == 0 and programs * regs * 32 * (num_warps + 4) <= 65536
     given_back = (regs - LOADER_REGS) * 4 * 32  # the loader warpgroup's surplus, spread over the wgmma warps
     assert regs + given_back // (32 * num_warps) >= 200
+
+
+@pytest.mark.parametrize("block_m,num_warps,width,stages,programs", [
+    (64, 4, 128, 4, 2),  # 96 KiB rings: two fit in an SM's 228 KiB
+    (64, 4, 64, 6, 2),  # GPT-OSS's 32-column GEMM1, a ring of 6: 96 KiB
+    (64, 4, 128, 6, 1),  # 144 KiB: one
+    (128, 8, 128, 4, 1),  # two warpgroups: one program (their registers fill the SM)
+])
+def test_fp8_ws_programs_per_sm_follow_the_ring(block_m, num_warps, width, stages, programs):
+    tile = TileConfig(width, 128, 8, num_warps, stages, tma=True, wgmma=True, ws=True)
+    assert fp8_programs_per_sm(tile, block_m, width) == programs
 
 
 def test_ws_config_on_a_cpu_is_a_clear_error():
@@ -96,17 +108,28 @@ FP8_VARIANTS = [
     {"kernel": "fp8_ws", "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8},
     {"kernel": "fp8_ws", "GATED": False, "ACTIVATION": 0, "OUT_SORTED": False, "BLOCK_M": 128, "BLOCK_N": 128,
      "num_warps": 8},
-    # one warpgroup, GPT-OSS-like (swiglu_oai, biases), a deeper ring
+    # one warpgroup, GPT-OSS-like (swiglu_oai, biases), a deeper ring: two programs per SM (their registers)
     {"kernel": "fp8_ws", "BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "ACTIVATION": 3, "HAS_BIAS": True,
-     "STAGES": 6},
+     "STAGES": 6, "programs": 2},
+    # one warpgroup, Qwen3's GEMM2: 64 x 128, two programs per SM
+    {"kernel": "fp8_ws", "GATED": False, "ACTIVATION": 0, "OUT_SORTED": False, "BLOCK_M": 64, "BLOCK_N": 128,
+     "num_warps": 4, "programs": 2},
 ]
+
+
+def _launch_registers(variant: dict) -> int:
+    return max_registers(variant["num_warps"], variant.get("programs", 1))
+
+
+def _compiled(variant: dict) -> dict:
+    """The variant as `gluon_compile` takes it: its launch's maxnreg in place of the programs per SM."""
+    return {k: v for k, v in variant.items() if k != "programs"} | {"maxnreg": _launch_registers(variant)}
 
 
 @pytest.fixture(scope="module")
 def compiled_variants():
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="needs Triton with Gluon")
-    variants = [{"kernel": "ws", "maxnreg": max_registers(v["num_warps"]), **v} for v in VARIANTS]
-    variants += [{"maxnreg": max_registers(v["num_warps"]), **v} for v in FP8_VARIANTS]
+    variants = [_compiled({"kernel": "ws", **v}) for v in VARIANTS] + [_compiled(v) for v in FP8_VARIANTS]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-m", "moe.testing.gluon_compile", json.dumps(variants)],
                           capture_output=True, text=True, env=env, timeout=600)
@@ -124,7 +147,7 @@ def test_ws_kernel_compiles_for_sm90_without_spills_or_serialized_wgmmas(compile
     # ptxas serializes every wgmma of a kernel when an in-flight accumulator is copied (its C7514 note): the
     # wgmma of one K step would no longer run under the next step's wait for its buffer
     assert not report["serialized"]
-    assert report["spill_bytes"] == 0 and report["registers"] <= max_registers(variant["num_warps"])
+    assert report["spill_bytes"] == 0 and report["registers"] <= _launch_registers(variant)
 
 
 def test_tuner_tries_ws_tiles_on_sm90_for_16_bit_schemes_where_blocks_fill():

@@ -108,7 +108,8 @@ def wgmma_candidates(scheme: str, rows_per_expert: float, capability: tuple[int,
     64+ rows fill. They go straight to the end-to-end round of `tune_bucket`: their GEMM1 includes the gather
     and their GEMM2 reads rows only a wgmma GEMM1 writes, so they pair only with each other. The first two
     were the fastest of session 9's H100 runs (benchmarks/results/fp8_block_wgmma_nvidia-h100.md); the last
-    three are ``ws`` tiles, the warp-specialized persistent kernel on the same operands (gemm_ws.py)."""
+    four are ``ws`` tiles, the warp-specialized persistent kernel on the same operands (gemm_ws.py), the
+    64-row ones two programs per SM (`gemm_ws.fp8_programs_per_sm`)."""
     if scheme != "fp8_block" or capability != (9, 0) or rows_per_expert < 32:
         return []
 
@@ -118,7 +119,7 @@ def wgmma_candidates(scheme: str, rows_per_expert: float, capability: tuple[int,
 
     # the warp-specialized persistent twins (gemm_ws.py): wgmmas up to 128 columns wide
     ws = [config(128, 64, 128, 8, ws=True), config(128, 64, 128, 8, stages=6, ws=True),
-          config(64, 64, 128, 4, ws=True)]
+          config(64, 64, 128, 4, ws=True), config(64, 64, 128, 4, stages=3, ws=True)]
     return [config(64, 64, 128, 4), config(128, 64, 128, 8), config(64, 32, 128, 4), config(64, 64, 256, 8),
             config(128, 64, 128, 8, stages=3), *ws]
 

@@ -4,7 +4,8 @@ bf16/fp16 (`moe_gemm_ws_kernel`) and fp8 128-block (`moe_gemm_fp8_ws_kernel`, ``
 The data flow is the TMA-A path's (gemm_tma_a.py): A is the layout's rows gathered into sorted order,
 W is ``[E * R, K]``, both loaded by TMA descriptor. What differs is how the tensor cores are kept fed:
 
-- **Persistent.** The grid is one program per SM (at most); program p takes the tiles p, p + grid, ...
+- **Persistent.** The grid is one program per SM (at most; two for one-warpgroup fp8 tiles whose rings fit,
+  `gemm_ws.fp8_programs_per_sm`); program p takes the tiles p, p + grid, ...
   of the (m block, n block) order, ``GROUP_M`` m blocks at a time, up to the blocks the layout uses
   (read from ``ends_ptr`` on the GPU, so one grid serves every M and CUDA graphs replay it).
   The experts' segment ends and counts are loaded once per program, in a layout every warp holds whole,

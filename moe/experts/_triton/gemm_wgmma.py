@@ -26,7 +26,7 @@ from moe.experts._triton.align import BlockLayout, experts_pad
 from moe.experts._triton.config import LaunchConfig, TileConfig
 from moe.experts._triton.gemm import Launch, activation_args, activation_code, bias_args
 from moe.experts._triton.gemm_tma_a import gather_launch
-from moe.experts._triton.gemm_ws import persistent_launch
+from moe.experts._triton.gemm_ws import fp8_programs_per_sm, persistent_launch
 from moe.experts._triton.rows import GROUP, quantize_fp8_rows
 from moe.experts._triton.support import require_sm90
 from moe.experts._triton.weights import WeightOperand
@@ -89,8 +89,9 @@ def wgmma_gemm_launch(a_sorted: torch.Tensor, a_scale: torch.Tensor, w: WeightOp
     )
     if tile.ws:  # the persistent kernel walks the blocks the routing filled: no block count
         require_sm90(a_sorted.device, "ws")
+        width = 2 * tile.block_n if gated else tile.block_n
         return persistent_launch("moe_gemm_fp8_ws_kernel", a_sorted, layout, n_out, tile, operands + shape,
-                                 constexprs)
+                                 constexprs, fp8_programs_per_sm(tile, block_m, width))
     grid = (layout.max_blocks * cdiv(n_out, tile.block_n),)
     return Launch(grid, operands + (layout.max_blocks,) + shape, dict(constexprs, num_warps=tile.num_warps),
                   kernel=(_MODULE, "moe_gemm_fp8_wgmma_kernel"))

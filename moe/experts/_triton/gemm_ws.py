@@ -32,13 +32,26 @@ from moe.experts._triton.weights import WeightOperand
 _MODULE = "gemm_ws"
 LOADER_REGS = 40  # the loader warp's registers (scalar work: the tile walk and its TMA issues)
 _REGISTER_FILE = 65536  # 32-bit registers per SM (SM90)
+_SHARED_PER_SM = 228 * 1024  # bytes of shared memory per SM (SM90)
+_RESERVED_PER_PROGRAM = 1024 + 256  # the driver's 1 KiB per resident program, and the ring's mbarriers
 
 
-def max_registers(num_warps: int) -> int:
+def max_registers(num_warps: int, programs_per_sm: int = 1) -> int:
     """``maxnreg`` of a launch: the register file shared by the ``num_warps`` wgmma warps and the loader's
-    warpgroup (registers are allotted per warpgroup of 4 warps), a multiple of 8. The loader gives all but
-    `LOADER_REGS` back to the wgmma warps, whose accumulators need them."""
-    return min(232, _REGISTER_FILE // (32 * (num_warps + 4)) // 8 * 8)
+    warpgroup (registers are allotted per warpgroup of 4 warps) of each of ``programs_per_sm`` programs, a
+    multiple of 8. The loader gives all but `LOADER_REGS` back to the wgmma warps, whose accumulators need
+    them."""
+    return min(232, _REGISTER_FILE // (programs_per_sm * 32 * (num_warps + 4)) // 8 * 8)
+
+
+def fp8_programs_per_sm(tile: TileConfig, block_m: int, width: int) -> int:
+    """Programs per SM of an fp8_block ``ws`` tile whose wgmma is ``width`` columns wide: two for one
+    warpgroup (4 warps) where two rings fit in shared memory (``num_stages`` 128-column K steps of A and W
+    and their scales, `_gemm_ws._scale_ring`), else one. Two one-warpgroup programs interleave their K
+    loops and epilogues, where the two warpgroups of one program meet at a barrier every K step (the one
+    before a buffer goes back to the loader). H200 timings: benchmarks/results/fp8_block_ws_nvidia-h200.md."""
+    ring = tile.num_stages * ((block_m + width) * 128 + 3 * block_m * 4)
+    return 2 if tile.num_warps == 4 and 2 * (ring + _RESERVED_PER_PROGRAM) <= _SHARED_PER_SM else 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,15 +70,16 @@ def check_ws(a_sorted: torch.Tensor) -> None:
 
 
 def persistent_launch(kernel: str, a_sorted: torch.Tensor, layout: BlockLayout, n_out: int, tile: TileConfig,
-                      args: tuple, constexprs: dict) -> Launch:
+                      args: tuple, constexprs: dict, programs_per_sm: int = 1) -> Launch:
     """The launch of ``kernel`` (this module's dense or fp8 ws kernel) for a ``ws`` tile: the loader's register
-    split, and one program per SM, or one per tile where the most tiles any M of this layout can have are fewer
-    (the kernel stops at those the routing filled)."""
+    split, and ``programs_per_sm`` programs per SM, or one per tile where the most tiles any M of this layout can
+    have are fewer (the kernel stops at those the routing filled)."""
     tiles = layout.max_blocks * cdiv(n_out, tile.block_n)
     index = a_sorted.device.index if a_sorted.device.index is not None else torch.cuda.current_device()
     constexprs = dict(constexprs, LOADER_REGS=LOADER_REGS, num_warps=tile.num_warps,
-                      maxnreg=max_registers(tile.num_warps))
-    return Launch((max(1, min(tiles, _sm_count(index))),), args, constexprs, kernel=(_MODULE, kernel))
+                      maxnreg=max_registers(tile.num_warps, programs_per_sm))
+    programs = programs_per_sm * _sm_count(index)
+    return Launch((max(1, min(tiles, programs)),), args, constexprs, kernel=(_MODULE, kernel))
 
 
 def ws_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tensor, layout: BlockLayout,
