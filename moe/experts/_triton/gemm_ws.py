@@ -46,11 +46,14 @@ def max_registers(num_warps: int, programs_per_sm: int = 1) -> int:
 
 def fp8_programs_per_sm(tile: TileConfig, block_m: int, width: int) -> int:
     """Programs per SM of an fp8_block ``ws`` tile whose wgmma is ``width`` columns wide: two for one
-    warpgroup (4 warps) where two rings fit in shared memory (``num_stages`` 128-column K steps of A and W
-    and their scales, `_gemm_ws._scale_ring`), else one. Two one-warpgroup programs interleave their K
-    loops and epilogues, where the two warpgroups of one program meet at a barrier every K step (the one
-    before a buffer goes back to the loader). H200 timings: benchmarks/results/fp8_block_ws_nvidia-h200.md."""
-    ring = tile.num_stages * ((block_m + width) * 128 + 3 * block_m * 4)
+    warpgroup (4 warps) where two rings (``num_stages`` 128-column K steps of A and W) fit in shared memory,
+    else one. Two one-warpgroup programs run their K loops, waits and epilogues independently, where the two
+    warpgroups of one 128-row program meet at a barrier every K step (the one Gluon puts before a buffer goes
+    back to the loader). Under the halved ``maxnreg`` a wgmma of at most 128 columns (`check_wgmma_operands`)
+    still compiles; a dense 256-column one does not. Dense bf16 tiles keep one program per SM: their
+    one-warpgroup tiles whose rings fit twice ran slower than the tables' tiles that way (session 17).
+    H200 timings: benchmarks/results/fp8_block_ws_nvidia-h200.md, bf16_ws_nvidia-h200.md."""
+    ring = tile.num_stages * (block_m + width) * 128
     return 2 if tile.num_warps == 4 and 2 * (ring + _RESERVED_PER_PROGRAM) <= _SHARED_PER_SM else 1
 
 
