@@ -20,7 +20,7 @@ from moe.experts.reference import ReferenceExperts
 from moe.kernel import ModularKernel
 from moe.oracle import Policy, ProfileEntry, ProfileShape, load_profile, plan, save_profile
 from moe.oracle.cost import efficiency_at, estimate_experts, expected_experts_hit, gemm_precision, roofline
-from moe.oracle.profile import Profile, builtin_profile, sibling_kinds
+from moe.oracle.profile import REACH, Profile, builtin_profile, sibling_kinds
 from moe.platform import PRESET_NAMES, Platform
 from moe.prepare_finalize import LocalPrepareFinalize
 from moe.presets import load_preset, preset_names
@@ -101,8 +101,14 @@ def test_measured_profile_round_trips_and_replaces_the_estimate(tmp_path):
     profile = _shipped_without("measured-h100.yaml").merged(loaded)
     at_64 = estimate_experts("triton", problem, h100, 64, profile)
     assert at_64.us == pytest.approx(123.0) and at_64.basis.startswith("measured")
-    # the measured efficiency informs other token counts and shapes too (held constant beyond the point)
-    assert estimate_experts("triton", problem, h100, 4096, profile).efficiency == pytest.approx(at_64.efficiency)
+    # the measured efficiency informs other token counts and shapes too: held constant beyond the point within
+    # REACH times its M, and beyond that where no other measurement reaches
+    assert estimate_experts("triton", problem, h100, 64 * REACH, profile).efficiency == pytest.approx(at_64.efficiency)
+    assert estimate_experts("triton", problem, h100, 4096, loaded).efficiency == pytest.approx(at_64.efficiency)
+    # further away, the H200's measurements at this shape and M speak instead (against the H200's ceilings)
+    far = estimate_experts("triton", problem, h100, 4096, profile)
+    assert far.basis.startswith("measured on h200 at this shape") and "M = 64-64 only" in far.basis
+    assert far.efficiency != pytest.approx(at_64.efficiency)
     # saving again merges: same key replaced, others kept
     save_profile(path, [dataclasses.replace(entry, measured_us=100.0), dataclasses.replace(entry, tokens=1)])
     assert sorted((e.tokens, e.measured_us) for e in load_profile(path).entries) == [(1, 123.0), (64, 100.0)]
@@ -118,6 +124,26 @@ def test_profile_precedence_platform_then_scheme_then_any():
         assert points[0].efficiency == entries[n - 1].efficiency
     assert Profile(entries).points("t", h100, "bf16")[0][0].efficiency == 0.1
     assert Profile(entries).points("unknown", h100, "bf16") == ((), Profile().points("x", h100, "bf16")[1])
+
+
+def test_a_measured_level_gives_way_where_its_token_counts_do_not_reach():
+    """A backend measured on this shape at decode only (M = 1-16) and on another shape at M = 4096: at M = 4096
+    the other shape's efficiency speaks (the decode one held 256x away would not), within REACH x of 16 this
+    shape's does, and where no level reaches M the first one is held (the plan's explanation says which)."""
+    h200 = Platform.preset("h200")
+    qwen3 = load_preset("qwen3-30b-a3b").problem(quant="fp8_block", max_tokens=4096)
+    deepseek = load_preset("deepseek-v3-ep8-slice").problem(quant="fp8_block", max_tokens=4096)
+    decode = [ProfileEntry.measurement("b", h200, qwen3, m, us, preset="qwen3-30b-a3b") for m, us in ((1, 30.0), (16, 120.0))]
+    prefill = [ProfileEntry.measurement("b", h200, deepseek, 4096, 5000.0, preset="deepseek-v3-ep8-slice")]
+    profile = Profile(tuple(decode + prefill))
+    shape = ProfileShape.of(qwen3, "qwen3-30b-a3b")
+    assert [e.tokens for e in profile.points("b", h200, "fp8_block", shape, tokens=16 * REACH)[0]] == [1, 16]
+    points, basis = profile.points("b", h200, "fp8_block", shape, tokens=4096)  # every shape's: M = 4096 is DeepSeek's
+    assert [e.tokens for e in points] == [1, 16, 4096] and basis.startswith("measured at other shapes")
+    assert "M = 1-16 only" in basis
+    assert [e.tokens for e in profile.points("b", h200, "fp8_block", shape)[0]] == [1, 16]  # no M asked: as before
+    only_decode = Profile(tuple(decode))
+    assert [e.tokens for e in only_decode.points("b", h200, "fp8_block", shape, tokens=4096)[0]] == [1, 16]
 
 
 # --- transports measured (issue 15: plan --ep N from measured communication) ------------------------

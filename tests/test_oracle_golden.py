@@ -185,10 +185,11 @@ def _from_profile(name: str, problem: MoEProblem, platform: Platform, tokens: in
     A measured point (the shipped H200 measurements) counts as the efficiency it reached on its own
     shape: its shape's roofline, on the preset it was measured on (an H100 plan reads the H200's
     points against the H200's ceilings), over the measured time, with no overhead. An experts
-    backend competes with the other experts backends (a measured peer rules out estimates).
+    backend competes with the other experts backends (a measured peer rules out estimates), and the points
+    are those whose M reach ``tokens`` (`Profile.points`).
     """
     peers = experts_classes() if name in experts_classes() else ()
-    points, _ = profile.points(name, platform, problem.quant_name, ProfileShape.of(problem), peers)
+    points, _ = profile.points(name, platform, problem.quant_name, ProfileShape.of(problem), peers, tokens=tokens)
     if not points:
         return DEFAULT_OVERHEAD_US + roofline_us / DEFAULT_EFFICIENCY
 

@@ -201,7 +201,7 @@ def _estimate(name: str, roofline_us: RooflineUs, problem: MoEProblem, platform:
     """``parallel``: a PrepareFinalize, whose measurements are matched at the problem's ``ep_size``;
     ``scheme``: whose measurements to read (default the problem's; `MoEProblem.scheme_run_as`)."""
     shape = ProfileShape.of(problem, parallel=parallel)
-    points, basis = profile.points(name, platform, scheme or problem.quant_name, shape, peers)
+    points, basis = profile.points(name, platform, scheme or problem.quant_name, shape, peers, tokens=tokens)
     efficiency, overhead = efficiency_at(points, platform, tokens, roofline_us)
     us = roofline_us(problem, platform, tokens)
     return Estimate(overhead + us / efficiency, us, efficiency, overhead, basis)

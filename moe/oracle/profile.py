@@ -48,6 +48,12 @@ Which points the oracle uses for (backend, platform, quant), first non-empty win
 4. none: ``DEFAULT_EFFICIENCY`` and ``DEFAULT_OVERHEAD_US`` -- pessimistic on purpose, so that an
    unmeasured plugin never displaces a profiled backend -- said so in the explanation.
 
+Asked for one M (``tokens``), a measured level (1 or 2) speaks only for M within `REACH` times the token
+counts it was measured at, and gives way to a later measured level that reaches M: a backend measured on
+this shape at decode only (M = 1-16) says little of its efficiency at M = 4096, where it computes instead of
+streaming weights, and its measurements on other shapes at that M say more. Where no measured level
+reaches M, the first with points is used, held constant beyond them.
+
 Within one level, a later file's points replace an earlier file's points at the same tokens.
 """
 
@@ -70,6 +76,7 @@ ANY = "*"
 # An unprofiled backend (a new plugin) ranks below the profiled ones until it is measured.
 DEFAULT_EFFICIENCY = 0.02
 DEFAULT_OVERHEAD_US = 1000.0
+REACH = 4  # a level of measurements speaks for M within this factor of the token counts it was measured at
 _ENTRY_KEYS = ("tokens", "quant", "efficiency", "measured_us", "overhead_us", "shape", "note")
 _SHAPE_KEYS = ("preset", "num_experts", "top_k", "hidden_size", "intermediate_size", "activation", "ep_size")
 
@@ -164,13 +171,14 @@ class Profile:
         return Profile(self.entries + other.entries)
 
     def points(self, backend: str, platform: Platform, quant: str, shape: ProfileShape | None = None,
-               peers: Iterable[str] = ()) -> tuple[tuple[ProfileEntry, ...], str]:
+               peers: Iterable[str] = (), tokens: int | None = None) -> tuple[tuple[ProfileEntry, ...], str]:
         """The points to use and a description of where they come from (see the module docstring).
 
         Measurements of the problem's own ``shape`` come first; measurements of other shapes are used
         as efficiencies against their own rooflines. ``peers``: the backends this one competes with
         (the experts backends, for an experts backend); where any of them is measured for ``quant``
-        on this architecture, this one's estimates are not used.
+        on this architecture, this one's estimates are not used. ``tokens``: the M asked for; a
+        measured level that does not reach it (`REACH`) gives way to a later one that does.
         """
         mine = [e for e in self.entries if e.backend == backend]
         names, kin = {platform.kind, platform.name}, set(sibling_kinds(platform))
@@ -191,6 +199,14 @@ class Profile:
                 (f"any platform, {quant}", _estimates(mine, {ANY}, {quant})),
                 ("any platform, any scheme", _estimates(mine, {ANY}, {ANY})),
             ]
+        measured_levels = [(label, found) for label, found in levels[:4] if found]
+        reaching = [level for level in measured_levels if _reaches(level[1], tokens)]
+        if reaching and reaching[0] is not measured_levels[0]:
+            label, found = reaching[0]
+            first = measured_levels[0][1]
+            skipped = (f"; {measured_levels[0][0]}: M = {min(e.tokens for e in first)}-"
+                       f"{max(e.tokens for e in first)} only, more than {REACH}x from M = {tokens}")
+            levels = [(label + skipped, found)]
         for label, found in levels:
             if found:
                 points = _latest_per_tokens(found)
@@ -218,6 +234,14 @@ def measured_on(point: ProfileEntry, platform: Platform) -> Platform:
     if point.platform in (platform.kind, platform.name) or point.platform not in PRESET_NAMES:
         return platform
     return Platform.preset(point.platform)
+
+
+def _reaches(entries: list[ProfileEntry], tokens: int | None) -> bool:
+    """Whether measurements at ``entries``' token counts speak for M = ``tokens`` (None: any M)."""
+    if tokens is None:
+        return True
+    measured = [e.tokens for e in entries]
+    return min(measured) / REACH <= tokens <= max(measured) * REACH
 
 
 def _at(entries: list[ProfileEntry], shape: ProfileShape | None) -> list[ProfileEntry]:
