@@ -6,6 +6,16 @@ Builds the calls exactly as ``python -m moe bench`` does (random weights, the pr
 rotating inputs), runs them eagerly under the profiler after warm-up and prints, per (preset, M),
 each kernel's mean microseconds per call and its share. Eager launches leave gaps between kernels
 that CUDA graphs remove, so the sum here is the GPU busy time, not the bench's wall time.
+
+``--ncu`` runs one call per (preset, M) after the warm-up between ``cudaProfilerStart`` and ``Stop``, without
+torch.profiler (CUPTI is ncu's then), for Nsight Compute. Session 17's profiles
+(benchmarks/results/fp8_ws_ncu_nvidia-h200.txt) came from a throwaway script doing the same, under these
+commands (the flag folds that script in here; the flag itself has not yet run on a GPU)::
+
+    ncu --profile-from-start off --set full -k regex:moe_gemm --launch-count 2 \
+        python3 benchmarks/kernel_breakdown.py --preset deepseek-v3-ep8-slice --quant fp8_block --tokens 1024 --ncu
+    ncu --profile-from-start off --section WarpStateStats --section SourceCounters --page source \
+        --print-source sass --csv -k regex:fp8_ws --launch-count 1 python3 benchmarks/kernel_breakdown.py ... --ncu
 """
 
 from __future__ import annotations
@@ -42,6 +52,17 @@ def breakdown(calls: list, reps: int) -> dict[str, float]:
     return dict(per_kernel)
 
 
+def one_call_for_ncu(calls: list) -> None:
+    """Warm up, then run the first call once inside the range ``ncu --profile-from-start off`` profiles."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    calls[0]()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def main(argv: list[str] | None = None) -> int:
     import moe.experts.triton  # noqa: F401 -- registers the Triton experts
     import moe.experts.triton_batched  # noqa: F401
@@ -52,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=lambda t: [int(x) for x in t.split(",")], required=True)
     parser.add_argument("--experts", default="triton")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--ncu", action="store_true", help="one call each between cudaProfilerStart/Stop, for ncu")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     preset = load_preset(args.preset)
@@ -62,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         inputs = make_inputs(preset, problem, m, 4, device)
         for name in args.experts.split(","):
             calls = backend_calls(get_experts(name), problem, weights, inputs, device)
+            if args.ncu:
+                one_call_for_ncu(calls)
+                print(f"{args.preset} {args.quant} M={m} {name}: one call profiled")
+                continue
             times = breakdown(calls, args.reps)
             total = sum(times.values())
             print(f"\n{args.preset} {args.quant} M={m} {name}: {total:.1f} us of GPU time per call")
