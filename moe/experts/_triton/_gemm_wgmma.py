@@ -196,6 +196,27 @@ def _fp8_tile(ring0, n_steps, a_desc, w_desc, m0, w_row, N, scales, ready, empty
     return acc
 
 
+@gluon.jit
+def _epilogue(out, up, layout: gl.constexpr, expert, m0, n0, valid, bias_ptr, out_ptr, rows_ptr, N, stride_be,
+              stride_bn, stride_om, stride_on, alpha, beta, limit, GATED: gl.constexpr, ACTIVATION: gl.constexpr,
+              HAS_BIAS: gl.constexpr, OUT_SORTED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The Gluon kernels' tile epilogue: ``out`` (the gate half when ``GATED``) and ``up`` in ``layout`` (an
+    ungated tile passes ``out`` again, unread), the expert's biases added, the activation applied, the rows
+    stored (`_store_sorted_block`)."""
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    cols = offs_n % N  # the tail's extra columns read valid biases; they are never stored
+    b_base = bias_ptr + expert.to(gl.int64) * stride_be
+    if HAS_BIAS:
+        out += gl.expand_dims(gl.load(b_base + cols * stride_bn).to(gl.float32), 0)
+    if GATED:
+        if HAS_BIAS:
+            up += gl.expand_dims(gl.load(b_base + (cols + N) * stride_bn).to(gl.float32), 0)
+        out = _activate(out, up, ACTIVATION, alpha, beta, limit)
+    _store_sorted_block(out_ptr, out, offs_m, offs_n, N, m0, valid, rows_ptr, stride_om, stride_on, OUT_SORTED,
+                        BLOCK_M)
+
+
 @gluon.constexpr_function
 def _fp8_mma_layout(block_m, width, num_warps):
     """The accumulator layout of a ``[block_m, width]`` fp8 wgmma (K 32 per instruction)."""
@@ -250,23 +271,14 @@ def moe_gemm_fp8_wgmma_kernel(
         mbarrier.invalidate(ready.index(i))
 
     out_l: gl.constexpr = _epilogue_layout(BLOCK_N, num_warps)
-    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_l))
-    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_l))
-    cols = offs_n % N  # the tail's extra columns read valid biases; they are never stored
-    b_base = bias_ptr + expert.to(gl.int64) * stride_be
     if GATED:  # the halves meet in shared memory, in the store's layout
         stage = gl.allocate_shared_memory(gl.float32, [BLOCK_M, WIDTH],
                                           gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
         stage.store(acc)
         gate = stage.slice(0, BLOCK_N, dim=1).load(out_l)
         up = stage.slice(BLOCK_N, BLOCK_N, dim=1).load(out_l)
-        if HAS_BIAS:
-            gate += gl.expand_dims(gl.load(b_base + cols * stride_bn).to(gl.float32), 0)
-            up += gl.expand_dims(gl.load(b_base + (cols + N) * stride_bn).to(gl.float32), 0)
-        out = _activate(gate, up, ACTIVATION, alpha, beta, limit)
     else:
-        out = gl.convert_layout(acc, out_l)
-        if HAS_BIAS:
-            out += gl.expand_dims(gl.load(b_base + cols * stride_bn).to(gl.float32), 0)
-    _store_sorted_block(out_ptr, out, offs_m, offs_n, N, m0, valid, rows_ptr, stride_om, stride_on, OUT_SORTED,
-                        BLOCK_M)
+        gate = gl.convert_layout(acc, out_l)
+        up = gate
+    _epilogue(gate, up, out_l, expert, m0, n0, valid, bias_ptr, out_ptr, rows_ptr, N, stride_be, stride_bn, stride_om,
+              stride_on, alpha, beta, limit, GATED, ACTIVATION, HAS_BIAS, OUT_SORTED, BLOCK_M, BLOCK_N)

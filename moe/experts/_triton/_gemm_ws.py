@@ -34,9 +34,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 # @triton.jit functions, which Gluon kernels may call
-from moe.experts._triton._gemm import _activate, _store_sorted_block, _tile_of
-from moe.experts._triton._gemm_wgmma import (_expert_segments, _fp8_mma_layout, _fp8_tile, _segment_of, _tile_scales,
-                                             _tma_load, _warps_per_cta)
+from moe.experts._triton._gemm import _tile_of
+from moe.experts._triton._gemm_wgmma import (_epilogue, _expert_segments, _fp8_mma_layout, _fp8_tile, _segment_of,
+                                             _tile_scales, _tma_load, _warps_per_cta)
 
 
 @gluon.jit
@@ -105,8 +105,6 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, bias_ptr, out_ptr, rows_ptr, en
     warps: gl.constexpr = _warps_per_cta(BLOCK_M, num_warps)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps,
                                                   instr_shape=[16, BLOCK_N // warps[1], 16])
-    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
-    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
     num_m, num_n, num_tiles = _tile_count(ends_ptr, num_experts, N, BLOCK_M, BLOCK_N)
     n_steps = gl.cdiv(K, BLOCK_K)
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)  # the gate half when GATED
@@ -139,21 +137,9 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, bias_ptr, out_ptr, rows_ptr, en
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
 
-        m0 = pid_m * BLOCK_M
-        offs_m = gl.arange(0, BLOCK_M, layout=rows_l)
-        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_l)
-        cols = offs_n % N  # the tail's extra columns read valid biases; they are never stored
-        b_base = bias_ptr + expert.to(gl.int64) * stride_be
-        out = acc
-        if HAS_BIAS:
-            out += gl.expand_dims(gl.load(b_base + cols * stride_bn).to(gl.float32), 0)
-        if GATED:
-            gate_up = up
-            if HAS_BIAS:
-                gate_up += gl.expand_dims(gl.load(b_base + (cols + N) * stride_bn).to(gl.float32), 0)
-            out = _activate(out, gate_up, ACTIVATION, alpha, beta, limit)
-        _store_sorted_block(out_ptr, out, offs_m, offs_n, N, m0, valid, rows_ptr, stride_om, stride_on, OUT_SORTED,
-                            BLOCK_M)
+        _epilogue(acc, up, mma, expert, pid_m * BLOCK_M, pid_n * BLOCK_N, valid, bias_ptr, out_ptr, rows_ptr, N,
+                  stride_be, stride_bn, stride_om, stride_on, alpha, beta, limit, GATED, ACTIVATION, HAS_BIAS,
+                  OUT_SORTED, BLOCK_M, BLOCK_N)
 
 
 # the token-dependent counts are not specialized on, so one compiled kernel serves every M
@@ -220,22 +206,13 @@ def _fp8_mma_partition(a_bufs, w_bufs, ready, empty, a_scale_ptr, w_scale_ptr, b
                         GATED, BLOCK_M, BLOCK_N, WIDTH, STAGES, True, mma, rows_l)
         it += n_steps
 
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_l))
-        offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_l))
-        cols = offs_n % N  # the tail's extra columns read valid biases; they are never stored
-        b_base = bias_ptr + expert.to(gl.int64) * stride_be
         if GATED:
-            out, up = _split_halves(acc, BLOCK_M, BLOCK_N, out_l)
-            if HAS_BIAS:
-                out += gl.expand_dims(gl.load(b_base + cols * stride_bn).to(gl.float32), 0)
-                up += gl.expand_dims(gl.load(b_base + (cols + N) * stride_bn).to(gl.float32), 0)
-            out = _activate(out, up, ACTIVATION, alpha, beta, limit)
+            gate, up = _split_halves(acc, BLOCK_M, BLOCK_N, out_l)
         else:
-            out = acc
-            if HAS_BIAS:
-                out += gl.expand_dims(gl.load(b_base + cols * stride_bn).to(gl.float32), 0)
-        _store_sorted_block(out_ptr, out, offs_m, offs_n, N, m0, valid, rows_ptr, stride_om, stride_on, OUT_SORTED,
-                            BLOCK_M)
+            gate = acc
+            up = acc
+        _epilogue(gate, up, out_l, expert, m0, n0, valid, bias_ptr, out_ptr, rows_ptr, N, stride_be, stride_bn,
+                  stride_om, stride_on, alpha, beta, limit, GATED, ACTIVATION, HAS_BIAS, OUT_SORTED, BLOCK_M, BLOCK_N)
 
 
 # the token-dependent counts are not specialized on, so one compiled kernel serves every M
