@@ -1,5 +1,5 @@
-"""Compile the Gluon GEMMs (`moe_gemm_fp8_wgmma_kernel`, `moe_gemm_ws_kernel`) for sm90 on any machine, and
-report what ptxas says.
+"""Compile the Gluon GEMMs (`moe_gemm_fp8_wgmma_kernel`, `moe_gemm_ws_kernel`, `moe_gemm_fp8_ws_kernel`) for sm90
+on any machine, and report what ptxas says.
 
 Gluon kernels do not run under Triton's CPU interpreter, so this is how a CPU machine checks them: the
 installed Triton's frontend and its bundled ptxas, as in tests/test_triton_compiles_for_gpu.py. Run it in a
@@ -57,7 +57,7 @@ def _ptxas() -> str:
 
 
 def compile_variant(overrides: dict) -> dict:
-    """The ptxas report of one variant: ``overrides["kernel"]`` ("fp8", the default, or "ws") and its
+    """The ptxas report of one variant: ``overrides["kernel"]`` (a `KERNELS` key, "fp8" by default) and its
     `DEFAULTS` updated by the other keys (``maxnreg`` a launch option, as at launch)."""
     import importlib
 

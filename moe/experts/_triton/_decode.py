@@ -74,6 +74,7 @@ fma.rn.bf16x2 $3, s, HI1, negz;
 _E2M1_BF16X2 = tl.constexpr(_E2M1_PTX.replace("HI0", "$5").replace("HI1", "$6"))
 _E2M1_BF16X2_SPLIT = tl.constexpr(_E2M1_PTX.replace("HI0", "$7").replace("HI1", "$8"))
 
+
 @triton.jit
 def _e8m0_bf16_biased(scale_bytes):
     """2**(byte - 1) as bfloat16: the e8m0 scale times 2**126 (`_E2M1_BF16X2`'s bias). Exact for

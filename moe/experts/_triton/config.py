@@ -46,7 +46,8 @@ class TileConfig:
     wgmma: bool = False
     # SM90: the warp-specialized, persistent Gluon kernels (gemm_ws.py): a one-warp loader partition fills
     # a ring of num_stages buffers while the num_warps others run the wgmmas and the epilogue; one
-    # program per SM walks the tiles; block_m >= 64. On a tma_a tile (dense bf16/fp16) or a wgmma one
+    # program per SM walks the tiles (two for a one-warpgroup fp8 tile whose rings fit,
+    # gemm_ws.fp8_programs_per_sm); block_m >= 64. On a tma_a tile (dense bf16/fp16) or a wgmma one
     # (fp8_block: the wgmma tile's scaled K steps).
     ws: bool = False
 

@@ -46,8 +46,9 @@ def activation_code(activation: Activation | None) -> int:
 
 def activation_args(activation: Activation | None) -> tuple[float, float, float]:
     """The kernels' ``alpha, beta, limit`` for ``activation`` (zeros where it takes none)."""
-    act = activation
-    return (act.alpha, act.beta, act.limit) if act is not None and act.alpha is not None else (0.0, 0.0, 0.0)
+    if activation is None or activation.alpha is None:
+        return (0.0, 0.0, 0.0)
+    return (activation.alpha, activation.beta, activation.limit)
 
 
 @dataclass(frozen=True)
@@ -176,16 +177,17 @@ def gemm_launch(
         grid = (num_m_blocks * n_tiles, rows.counts.numel())
         sorted_args = (rows.counts, rows.counts, rows.counts, rows.counts)
         num_slots, per_expert, a_row_div = 0, rows.rows_per_expert, 1
-    dummy = w.data  # stands in for absent scales/biases; never read
+    dummy = w.data  # stands in for absent scales; never read
+    bias, bias_strides = bias_args(w)
     args = (
         a, a_scale if a_scale is not None else dummy, w.data,
         w.descriptor(tile.block_n, tile.block_k) if tile.tma else dummy,
         w.scale if w.scale is not None else dummy, w.global_scale if w.global_scale is not None else dummy,
-        w.bias if w.bias is not None else dummy, out,
+        bias, out,
         *sorted_args,
         num_m_blocks, num_slots, per_expert, num_experts, n_out, k, w.data.shape[1],
         a.stride(0), a.stride(1), *_strides(a_scale, 2),
-        *w.data.stride(), *_strides(w.scale, 3), *_strides(w.bias, 2), out.stride(0), out.stride(1),
+        *w.data.stride(), *_strides(w.scale, 3), *bias_strides, out.stride(0), out.stride(1),
         *activation_args(activation),
     )
     weight_only = w.fmt in _FP8_FORMATS and a_scale is None
