@@ -83,6 +83,8 @@ MACHINES = {
         # session 17: fp8_block with one-warpgroup ws tiles at two programs per SM in the tables (Qwen3 M = 1024,
         # GPT-OSS M = 4096), the final code's run (fp8_block only)
         "fp8_block_ws2_bench_nvidia-h200.json": ("records", None),
+        # session 18: the decode path's one-token tile, its own epilogue and PDL (fp8_block and bf16, M = 1, 4, 16)
+        "fp8_decode_s18_bench_nvidia-h200.json": ("records", None),
     }, "measured on nvidia-h200 (2026-11-22 to 2026-11-28; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
        "benchmarks/flashinfer_bench.py / benchmarks/ep_all_to_all.py"),
     "nvidia-h100": Machine("h100", {

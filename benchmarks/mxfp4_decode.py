@@ -79,21 +79,30 @@ def parse_tiles(text: str) -> list[DecodeTile]:
     return tiles
 
 
-# fp8 weights (n, k, splits, warps, stages): block_k divides 128, the scale group; no PTX dequantization
+# fp8 weights (n, k, splits, warps, stages): block_k divides 128, the scale group; no PTX dequantization.
+# FMA tiles (block_m 1 at M = 1, else 4) only by --fp8-fma: on the H100 the best of 13 was 1.25x (Qwen3-30B-A3B,
+# M = 1) to 5.7x (DeepSeek-V3 slice, M = 16) slower than the best tensor-core tile
+# (benchmarks/results/fp8_decode_nvidia-h100.md)
 FP8_FMA_TILES = [(64, 64, 4, 4, 3), (64, 128, 2, 4, 3), (32, 128, 4, 4, 3), (128, 64, 2, 4, 3), (64, 64, 2, 4, 3),
                  (32, 64, 4, 4, 3), (64, 128, 4, 4, 3), (128, 32, 4, 4, 3), (64, 32, 8, 4, 3), (32, 128, 2, 4, 4),
                  (128, 64, 4, 8, 3), (64, 128, 1, 4, 3), (32, 64, 2, 4, 3)]
+# tensor-core tiles; for one token each split one also with ``finish`` (no epilogue launch)
 FP8_DOT_TILES = [(64, 128, 1, 4, 3), (64, 128, 2, 4, 3), (128, 128, 1, 8, 3), (32, 128, 2, 4, 3), (64, 128, 4, 4, 3),
-                 (128, 128, 2, 8, 3), (64, 64, 2, 4, 3)]
+                 (128, 128, 2, 8, 3), (64, 64, 2, 4, 3), (128, 128, 4, 8, 3), (32, 128, 4, 4, 3), (64, 128, 8, 4, 3),
+                 (32, 128, 8, 4, 3), (128, 128, 2, 4, 3)]
 
 
-def candidates(tokens: int, only: list[DecodeTile] | None = None, quant: str = "mxfp4") -> list[DecodeTile]:
+def candidates(tokens: int, only: list[DecodeTile] | None = None, quant: str = "mxfp4",
+               fp8_fma: bool = False) -> list[DecodeTile]:
     if only:
         return list(only)
     if quant == "fp8_block":
         block_m = 1 if tokens == 1 else 4
-        tiles = [DecodeTile(n, k, s, block_m, False, False, w, st) for n, k, s, w, st in FP8_FMA_TILES] if tokens <= 16 else []
-        return tiles + [DecodeTile(n, k, s, 16, True, False, w, st) for n, k, s, w, st in FP8_DOT_TILES]
+        tiles = [DecodeTile(n, k, s, block_m, False, False, w, st) for n, k, s, w, st in FP8_FMA_TILES] \
+            if fp8_fma and tokens <= 16 else []
+        finishes = (False, True) if tokens == 1 else (False,)
+        return tiles + [DecodeTile(n, k, s, 16, True, False, w, st, finish) for n, k, s, w, st in FP8_DOT_TILES
+                        for finish in finishes if s > 1 or not finish]
     tiles = []
     if tokens <= 16:  # fp4 / MXFP8 FMA tiles take one row at a time (decode.py checks block_m == 1)
         tiles += [DecodeTile(n, k, s, 1, False, asm, w, st, finish) for n, k, s, w, st, asm in FMA_TILES
@@ -124,7 +133,8 @@ def close(out: torch.Tensor, want: torch.Tensor) -> bool:
 class Sweep:
     """Times decode configs at one M on fixed inputs (monkeypatching the experts' config lookup)."""
 
-    def __init__(self, problem, weights, inputs, device, want, deadline):
+    def __init__(self, problem, weights, inputs, device, want, deadline, fp8_fma=False):
+        self.fp8_fma = fp8_fma
         self.cls = triton_experts.TritonExperts
         self.experts = self.cls(problem)
         self.prepared = self.experts.prepare_weights(weights)
@@ -154,7 +164,7 @@ class Sweep:
         return us
 
     def best(self, tokens: int, only: list[DecodeTile] | None = None) -> tuple[DecodeConfig | None, float]:
-        tiles = candidates(tokens, only, self.problem.quant_name)
+        tiles = candidates(tokens, only, self.problem.quant_name, self.fp8_fma)
         timed = [(self.time(DecodeConfig(t, t)), t) for t in tiles]
         timed = [(us, t) for us, t in timed if us is not None]
         if not timed:
@@ -186,6 +196,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=200.0, help="stop sweeping configs after this")
     parser.add_argument("--preset", default="gpt-oss-120b")
     parser.add_argument("--quant", default="mxfp4", choices=sorted(BITS))
+    parser.add_argument("--fp8-fma", action="store_true", help="fp8_block: sweep the FMA tiles too")
     parser.add_argument("--tiles", default=None, help="sweep only these tiles: n:k:splits:block_m:warps:stages,...")
     args = parser.parse_args(argv)
     import moe.experts.flashinfer_cutlass  # noqa: F401 -- registers the peer
@@ -211,7 +222,7 @@ def main(argv=None) -> int:
         want = grouped_calls[0]().out.clone()
         grouped = time_calls(grouped_calls, True)
         triton_experts.uses_decode = uses_decode
-        sweep = Sweep(problem, weights, inputs, device, want, deadline)
+        sweep = Sweep(problem, weights, inputs, device, want, deadline, args.fp8_fma)
         config, best = sweep.best(m, parse_tiles(args.tiles) if args.tiles else None)
         triton_experts.decode_config, triton_experts.fp8_decode_config = decode_config, fp8_decode_config
         fi = peer_us("flashinfer_cutlass", problem, weights, inputs, device, platform)

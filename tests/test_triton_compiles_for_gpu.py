@@ -93,8 +93,11 @@ def standard(quant, activation="silu", tokens=5, *, config=None, weight_only=Fal
 FMA_TILE = DecodeTile(32, 64, 2, 1, dot=False, finish=True)  # the split epilogue in the GEMMs (FINISH 1, 2)
 FMA_TILES = DecodeConfig(FMA_TILE, FMA_TILE)
 DOT_TILES = DecodeConfig(DecodeTile(32, 64, 1, 16, dot=True), DecodeTile(32, 64, 2, 16, dot=True))
-# split tensor-core tiles keep both epilogue launches (FMA tiles, one row per program, finish their own)
+# split tensor-core tiles keep both epilogue launches (FMA tiles, one row per program, finish their own) but for
+# one token with ``finish``
 DOT_SPLIT_TILES = DecodeConfig(DecodeTile(32, 64, 2, 16, dot=True), DecodeTile(32, 64, 2, 16, dot=True))
+DOT_FINISH_TILES = DecodeConfig(DecodeTile(32, 128, 2, 16, dot=True, finish=True),
+                                DecodeTile(32, 128, 2, 16, dot=True, finish=True))
 
 
 def decode(tokens, config, activation="swiglu_oai", quant="mxfp4"):
@@ -145,6 +148,7 @@ SCENARIOS = {
     "fp8 token decode grouped fma": lambda: decode(3, FMA_TILES, activation="silu", quant="fp8_token"),
     "fp8 block expert map": lambda: standard("fp8_block", E=8, expert_map=EP_MAP, grouped=True),
     "fp8 block decode one token fma": lambda: decode(1, FMA_TILES, activation="silu", quant="fp8_block"),
+    "fp8 block decode one token dot finish": lambda: decode(1, DOT_FINISH_TILES, activation="silu", quant="fp8_block"),
     "fp8 block decode grouped dot relu2": lambda: decode(3, DOT_TILES, activation="relu2", quant="fp8_block"),
     "mxfp4 swiglu_oai bias": lambda: standard("mxfp4", "swiglu_oai", bias=True),
     "nvfp4 weight-only": lambda: standard("nvfp4", grouped=True),
@@ -285,3 +289,22 @@ def test_the_mma_decode_tiles_compile_with_one_element_per_thread(records, scale
                 (used, layouts)
             assert "convert_layout" not in ttgir and "local_alloc" not in ttgir
             assert ttgir.count("mma.sync.aligned.m16n8k16") >= 1
+
+
+@pytest.mark.parametrize("pdl", [1, 2], ids=["first", "second"])
+def test_the_decode_gemms_compile_for_a_programmatic_dependent_launch(records, pdl):
+    """On SM90 the decode GEMMs run as a programmatic dependent launch (`decode.pdl_roles`; the CPU never launches
+    one): GEMM1 lets the next grid start after its K loop (griddepcontrol.launch_dependents), GEMM2 is launched so
+    and waits for GEMM1 (griddepcontrol.wait) -- on an fp8 tensor-core tile that finishes its own epilogue, as the
+    one-token configs do."""
+    base = next(r for r in records if r.name == "moe.experts._triton._decode.decode_gemm_kernel"
+                and dict(r.constexprs)["SCALES"] == QUANT_CODES[QuantFormat.FP8_BLOCK] and dict(r.constexprs)["DOT"]
+                and dict(r.constexprs)["FINISH"] != 0)
+    values = dict(base.constexprs) | dict(PDL=pdl)
+    record = replace(base, constexprs=tuple(values.items()),
+                     options=tuple(dict(base.options, launch_pdl=pdl == 2).items()))
+    with launches.Compiler(workers=1) as compiler:
+        error, ptx = compiler.ttgir(launches.CompileJob(record, 90), "ptx").result()
+    assert error is None, error
+    assert ("griddepcontrol.launch_dependents" in ptx) is (pdl == 1)
+    assert ("griddepcontrol.wait" in ptx) is (pdl == 2)

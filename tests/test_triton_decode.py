@@ -90,23 +90,21 @@ def test_decode_non_gated_without_bias(monkeypatch):
     check(make_problem("mxfp4", "relu2", E=8, k=2, H=64, I=96), 3, DecodeConfig(DOT_SPLIT, FMA), monkeypatch)
 
 
-@pytest.mark.parametrize("num_tokens,expert_map", [(1, None), (5, None), (5, (-1, 0, 1, -1, 2, 3, -1, 4))],
-                         ids=["one-token", "grouped", "expert-map"])
-def test_fma_tiles_finish_their_own_epilogue(num_tokens, expert_map, monkeypatch):
-    """Split-K FMA tiles: the last program to store a row's partial sums applies the epilogue
-    (`_decode._finish_if_last`), so neither epilogue launch runs (with an expert map GEMM2's does: a token
-    may have no expert here); the tickets are all 0 afterwards, and the output has the same bits as with
-    the epilogue launches (the weights without tickets)."""
+def check_finishing(p, tile, num_tokens, want_epilogues, monkeypatch):
+    """Under ``tile`` with ``finish=True``: the epilogue launches that run are ``want_epilogues`` (the last
+    program to store a row's partial sums applies the rest, `_decode._finish_if_last`), the tickets are all 0
+    afterwards, and the output has the same bits as with both epilogue launches (the weights without
+    tickets, and ``tile`` itself, finish=False)."""
     from dataclasses import replace
 
     from moe.formats import DispatchShape
     from moe.testing.triton_launches import record_launches
     from moe.workspace import WorkspaceManager
 
-    p = gpt_oss_like(expert_map=expert_map)
-    finishing = replace(FMA, finish=True)
+    finishing = replace(tile, finish=True)
     config = DecodeConfig(finishing, finishing)
-    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m: config)
+    for lookup in ("decode_config", "fp8_decode_config"):
+        monkeypatch.setattr(f"moe.experts.triton.{lookup}", lambda m: config)
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(make_weights(p))
     assert prepared.decode_tickets is not None and prepared.decode_tickets.dtype == torch.int32
@@ -120,15 +118,36 @@ def test_fma_tiles_finish_their_own_epilogue(num_tokens, expert_map, monkeypatch
             out = experts.apply(dispatched, weights, WorkspaceManager().take(shapes, experts.name)).out.clone()
         return out, {r.kernel for r in launched}
 
+    epilogues = {"activate_splits_kernel", "combine_splits_kernel"}
     finished, kernels = run(prepared)
-    want_epilogues = {"combine_splits_kernel"} if expert_map else set()
-    assert kernels & {"activate_splits_kernel", "combine_splits_kernel"} == want_epilogues
+    assert kernels & epilogues == want_epilogues
     assert int(prepared.decode_tickets.count_nonzero()) == 0
     launched, kernels = run(replace(prepared, decode_tickets=None))
-    assert {"activate_splits_kernel", "combine_splits_kernel"} <= kernels
+    assert epilogues <= kernels
     assert torch.equal(finished, launched)
-    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m: DecodeConfig(FMA, FMA))  # finish=False
-    assert {"activate_splits_kernel", "combine_splits_kernel"} <= run(prepared)[1]
+    for lookup in ("decode_config", "fp8_decode_config"):
+        monkeypatch.setattr(f"moe.experts.triton.{lookup}", lambda m: DecodeConfig(tile, tile))  # finish=False
+    assert epilogues <= run(prepared)[1]
+
+
+@pytest.mark.parametrize("num_tokens,expert_map", [(1, None), (5, None), (5, (-1, 0, 1, -1, 2, 3, -1, 4))],
+                         ids=["one-token", "grouped", "expert-map"])
+def test_fma_tiles_finish_their_own_epilogue(num_tokens, expert_map, monkeypatch):
+    """Split-K FMA tiles (one row per program) finish their own epilogue at any M, so neither epilogue launch
+    runs -- but GEMM2's with an expert map: a token may have no expert here."""
+    want = {"combine_splits_kernel"} if expert_map else set()
+    check_finishing(gpt_oss_like(expert_map=expert_map), FMA, num_tokens, want, monkeypatch)
+
+
+@pytest.mark.parametrize("quant", ["mxfp4", "fp8_block"])
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_tensor_core_tiles_finish_for_one_token(quant, num_tokens, monkeypatch):
+    """Split-K tensor-core tiles (16 rows) finish their own epilogue for one token, whose programs each take
+    one slot; from two tokens a program takes an expert's slots and both epilogue launches run."""
+    p = make_problem(quant, "swiglu_oai", E=8, k=4, H=256 if quant == "fp8_block" else 64, I=96, bias=True,
+                     max_tokens=64)
+    want = set() if num_tokens == 1 else {"activate_splits_kernel", "combine_splits_kernel"}
+    check_finishing(p, DOT_SPLIT, num_tokens, want, monkeypatch)
 
 
 def test_decode_tile_rejects_bad_values():
@@ -138,11 +157,9 @@ def test_decode_tile_rejects_bad_values():
         DecodeTile(block_k=48)
     with pytest.raises(MoEConfigError, match="dot=True needs block_m >= 16"):
         DecodeTile(block_m=4, dot=True)
-    with pytest.raises(MoEConfigError, match=r"finish=True needs one-row FMA tiles: dot=False and block_m=1 "
-                                             r"\(got dot=True, block_m=16\)"):
-        DecodeTile(block_m=16, dot=True, finish=True)
-    with pytest.raises(MoEConfigError, match=r"\(got dot=False, block_m=2\)"):
+    with pytest.raises(MoEConfigError, match=r"finish=True FMA tiles take one row at a time: block_m=1 \(got 2\)"):
         DecodeTile(block_m=2, dot=False, finish=True)
+    assert DecodeTile(block_m=16, dot=True, finish=True).finish  # tensor-core tiles finish for one token
 
 
 @pytest.mark.parametrize("quant", ["mxfp4", "nvfp4", "mxfp8"])

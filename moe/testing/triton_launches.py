@@ -193,13 +193,13 @@ def compile_one(job: CompileJob) -> str | None:
     return _compile(job)[0]
 
 
-def compile_ttgir(job: CompileJob) -> tuple[str | None, str]:
+def compile_ttgir(job: CompileJob, kind: str = "ttgir") -> tuple[str | None, str]:
     """`compile_one`'s result and, for a full compile that succeeded, the kernel's TTGIR (Triton's GPU IR: its
-    tensors' layouts); else ""."""
-    return _compile(job)
+    tensors' layouts) or another of its stages (``kind``: "ptx", ...); else ""."""
+    return _compile(job, kind)
 
 
-def _compile(job: CompileJob) -> tuple[str | None, str]:
+def _compile(job: CompileJob, kind: str = "ttgir") -> tuple[str | None, str]:
     import importlib  # noqa: PLC0415
 
     import triton  # noqa: PLC0415
@@ -215,7 +215,7 @@ def _compile(job: CompileJob) -> tuple[str | None, str]:
     target = GPUTarget("cuda", job.arch, 32)
     try:
         if job.full:
-            return None, triton.compile(source, target=target, options=dict(record.options)).asm["ttgir"]
+            return None, triton.compile(source, target=target, options=dict(record.options)).asm[kind]
         _frontend(source, target, dict(record.options))
     except Exception as error:  # noqa: BLE001 -- reported per job, with the launch that caused it
         return _chain(error), ""
@@ -267,9 +267,9 @@ class Compiler:
             if job not in self._futures:
                 self._futures[job] = self._pool.submit(compile_one, job)
 
-    def ttgir(self, job: CompileJob):
+    def ttgir(self, job: CompileJob, kind: str = "ttgir"):
         """A future of `compile_ttgir` (``job`` is not among `results`)."""
-        return self._pool.submit(compile_ttgir, job)
+        return self._pool.submit(compile_ttgir, job, kind)
 
     def results(self) -> dict:
         """``{job: error or None}`` of every job queued, once all are done."""

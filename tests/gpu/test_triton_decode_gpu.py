@@ -201,10 +201,12 @@ def test_nvfp4_decode_cuda_graph_replay_equals_eager(tokens):
 
 FP8_FMA = DecodeTile(32, 64, 2, 4, dot=False, asm=False)
 FP8_DOT = DecodeTile(64, 128, 2, 16, dot=True, asm=False)
+FP8_DOT_FINISH = replace(FP8_DOT, splits=4, finish=True)  # one token: no epilogue launch; more: both launches
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 16, 32])  # 32 x k = 8: DECODE_MAX_SLOTS, the decode path's last M
-@pytest.mark.parametrize("tiles", [None, (FP8_FMA, FP8_DOT), (FP8_DOT, FP8_FMA)], ids=["default", "fma", "dot"])
+@pytest.mark.parametrize("tiles", [None, (FP8_FMA, FP8_DOT), (FP8_DOT, FP8_FMA), (FP8_DOT_FINISH, FP8_DOT_FINISH)],
+                         ids=["default", "fma", "dot", "dot-finish"])
 @pytest.mark.parametrize("quant", ["fp8_block", "fp8_token"])
 def test_qwen3_fp8_decode_matches_grouped_gemm_and_reference(quant, tokens, tiles, monkeypatch):
     """The decode kernels against the grouped GEMM on the same quantized operands (the activation codes
@@ -225,6 +227,17 @@ def test_qwen3_fp8_decode_matches_grouped_gemm_and_reference(quant, tokens, tile
     assert_close_moe(out, grouped, "bf16", context=context + " vs grouped GEMM")
     assert_close_moe(out, reference(p, d.x.data, d.topk, weights), regime_for(p), context=context + " vs reference")
 
+
+
+def test_fp8_finish_tiles_cuda_graph_replay_equals_eager(monkeypatch):
+    """One token on tensor-core tiles that finish their own split epilogue: the tickets are back at 0 after
+    each launch, so every replay equals an eager call bit for bit."""
+    monkeypatch.setattr("moe.experts.triton.fp8_decode_config", lambda m: DecodeConfig(FP8_DOT_FINISH, FP8_DOT_FINISH))
+    p = qwen3(1)
+    experts = TritonExperts(p)
+    prepared = experts.prepare_weights(weights_for(p))
+    assert_replay_equals_eager_without_sync(experts, prepared, p, 1)
+    assert int(prepared.decode_tickets.count_nonzero()) == 0
 
 
 def weight_only_reference(p, d, weights):

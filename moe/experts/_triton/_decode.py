@@ -23,6 +23,7 @@ tiles cannot run. The weight format lives in `_weight_half_tiles` (tensor cores)
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moe.experts._triton._decode_fp8 import GROUP, fp8_k_loop
 from moe.experts._triton._gemm import (_FP8_BLOCK, _FP8_ROW, _MXFP8, _NVFP4, _activate, _dot, _e4m3_scaled,
@@ -85,6 +86,12 @@ def _e8m0_bf16_biased(scale_bytes):
 # the decode GEMM's FINISH: none (the epilogue launches, or one fused split), GEMM1's or GEMM2's (`_finish_if_last`)
 FINISH_NONE, FINISH_ACTIVATE, FINISH_COMBINE = 0, 1, 2
 _FINISH_ACTIVATE = tl.constexpr(FINISH_ACTIVATE)
+# the decode GEMM's part in a programmatic dependent launch (SM90+, `decode.pdl_roles`): none; the first GEMM, whose
+# programs let the next launch start once all of them are past their K loop; the second, launched so, whose
+# programs wait for the first GEMM's whole grid and memory before anything else
+PDL_NONE, PDL_FIRST, PDL_SECOND = 0, 1, 2
+_PDL_FIRST = tl.constexpr(PDL_FIRST)
+_PDL_SECOND = tl.constexpr(PDL_SECOND)
 
 @triton.jit
 def _e2m1_bf16x2(packed, words, shifts, SCALES: tl.constexpr):
@@ -330,6 +337,18 @@ def _group(g, ids_ptr, map_ptr, counts_ptr, ends_ptr, num_local,
     return expert, g, 1
 
 
+@triton.jit
+def _split_steps(split, K, SCALES: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr):
+    """K steps ``k_first .. k_last - 1`` of ``split``: 128 columns each for fp8 (`_decode_fp8`), else BLOCK_K."""
+    if SCALES == _FP8_BLOCK or SCALES == _FP8_ROW:
+        steps = cdiv_(K, GROUP)
+    else:
+        steps = cdiv_(K, BLOCK_K)
+    per_split = cdiv_(steps, SPLITS)
+    k_first = tl.minimum(split * per_split, steps)
+    return k_first, tl.minimum(k_first + per_split, steps)
+
+
 # the token-dependent counts are not specialized on, so one compiled kernel serves every M
 @triton.jit(do_not_specialize=["num_local"])
 def decode_gemm_kernel(
@@ -342,10 +361,12 @@ def decode_gemm_kernel(
     TOP_K: tl.constexpr, SPLITS: tl.constexpr,
     E_PAD: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr,
     SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    MMA: tl.constexpr,
+    MMA: tl.constexpr, PDL: tl.constexpr,
 ):
     expert, start, count = _group(tl.program_id(1), ids_ptr, map_ptr, counts_ptr, ends_ptr, num_local,
                                   GROUPED, HAS_MAP, E_PAD)
+    if PDL == _PDL_SECOND:  # in every program, so that this grid ends after the first one
+        gdc_wait()
     if expert < 0:
         return
     if MMA:  # the weights in MMA fragment order (_decode_mma.py)
@@ -353,6 +374,8 @@ def decode_gemm_kernel(
                     start, count, N, K, stride_am, stride_fe, stride_fse, k_blocks, up_blocks, stride_be, stride_om,
                     stride_ps, stride_pm, alpha, beta, limit, GROUPED, A_ROW_DIV, GATED, ACTIVATION, HAS_BIAS, FUSED,
                     SPLITS, SCALES, NVFP4_ASM_UNBIAS, BLOCK_N, BLOCK_K // 64)
+        if PDL == _PDL_FIRST:
+            gdc_launch_dependents()
         if FINISH != 0 and not GROUPED:  # one token: the program's one slot is `start`
             _finish_if_last(start.to(tl.int64), expert.to(tl.int64), tickets_ptr, part_ptr, bias_ptr, topk_w_ptr,
                             ids_ptr, map_ptr, out_ptr, N, stride_ps, stride_pm, stride_be, stride_om, alpha, beta,
@@ -362,13 +385,7 @@ def decode_gemm_kernel(
     offs_n = (tl.program_id(0) // SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_n = offs_n % N  # the tail's extra columns re-read valid ones; they are never stored
-    if SCALES == _FP8_BLOCK or SCALES == _FP8_ROW:  # K steps of 128 columns (_decode_fp8.py)
-        steps = cdiv_(K, GROUP)
-    else:
-        steps = cdiv_(K, BLOCK_K)
-    per_split = cdiv_(steps, SPLITS)
-    k_first = tl.minimum(split * per_split, steps)
-    k_last = tl.minimum(k_first + per_split, steps)
+    k_first, k_last = _split_steps(split, K, SCALES, BLOCK_K, SPLITS)
     expert = expert.to(tl.int64)
     w_base = w_ptr + expert * stride_we
     ws_base = ws_ptr + expert * stride_wse
@@ -397,6 +414,8 @@ def decode_gemm_kernel(
                                            stride_wn, ws_base, stride_wsn, stride_wsk, offs_n, N, K, k_first,
                                            k_last, GATED, ASM, SCALES, BLOCK_K, STAGES)
                 acc, acc_up = sum_(acc, 2), sum_(acc_up, 2)
+        if PDL == _PDL_FIRST:  # the weights are streamed: the second GEMM may launch (later calls are no-ops)
+            gdc_launch_dependents()
         if SCALES == _NVFP4:  # the expert's global scale factors out of the sum over K (and the splits)
             global_scale = tl.load(wg_ptr + expert)
             if ASM and DOT:  # the rest of the bf16x2 PTX's bias (`e4m3_bf16_biased`; the FMA path's PTX has none)
@@ -415,8 +434,12 @@ def decode_gemm_kernel(
             tl.store(p_ptrs, acc, mask=mask)
             if GATED:
                 tl.store(p_ptrs + N, acc_up, mask=mask)
-            if FINISH != 0:  # the last program to arrive at the row's epilogue applies it (one row: BLOCK_M == 1)
-                _finish_if_last(sum_(slots, 0), expert, tickets_ptr, part_ptr, bias_ptr, topk_w_ptr, ids_ptr,
+            if FINISH != 0:  # the last program to arrive at the row's epilogue applies it
+                if GROUPED:  # one-row FMA tiles: the chunk's one slot
+                    slot = sum_(slots, 0)
+                else:  # one token (any tile): the program's one slot
+                    slot = start.to(tl.int64)
+                _finish_if_last(slot, expert, tickets_ptr, part_ptr, bias_ptr, topk_w_ptr, ids_ptr,
                                 map_ptr, out_ptr, N, stride_ps, stride_pm, stride_be, stride_om, alpha, beta, limit,
                                 GATED, ACTIVATION, HAS_BIAS, FINISH, TOP_K, SPLITS, BLOCK_N)
 

@@ -61,10 +61,11 @@ class DecodeTile:
     (bfloat16 activations; NVFP4 with any e4m3 scale, MXFP4 with scales <= 2), without it the exact
     unscaled float16 one (`_decode._E2M1_F16X2`, any activation dtype, SM89+); else exact integer and float32
     math. fp8 weights: ``block_k`` divides 128, the pieces a 128-column K step is consumed in (``asm``
-    unused). ``finish`` (one-row FMA tiles): the last program to store a row's partial sums applies the
-    split epilogue (`_decode._finish_if_last`) instead of an epilogue launch -- worth it where the launches
-    dominate (GPT-OSS-120B MXFP4 at M = 1 on an H200: 43.0 against 45.3 us, one tile), not where many
-    programs each pay the ticket's fence (M = 16: 464 against 414); MMA tiles finish for one token only.
+    unused). ``finish``: the last program to store a row's partial sums applies the split epilogue
+    (`_decode._finish_if_last`) instead of an epilogue launch -- worth it where the launches dominate
+    (GPT-OSS-120B MXFP4 at M = 1 on an H200: 43.0 against 45.3 us, one FMA tile), not where many programs
+    each pay the ticket's fence (M = 16: 464 against 414). FMA tiles (one row) finish at any M; MMA and
+    tensor-core tiles, whose programs take an expert's slots, for one token only (a program per slot).
     ``mma`` (MXFP4 / NVFP4 x bfloat16 where `mma_ready` holds): the MMA-fragment program (`_decode_mma`), 16 weight
     rows per warp (``block_n = 16 * num_warps``), 8 tokens per pass (``block_m = 8``), K steps of 64 loaded
     ``block_k / 64`` at a time; ``dot`` off, ``asm`` implied (`mma_tile` builds one)."""
@@ -96,9 +97,9 @@ class DecodeTile:
             raise MoEConfigError(f"block_k must be a multiple of 32, the MXFP4 group (got {self.block_k})")
         if self.dot and self.block_m < 16:
             raise MoEConfigError(f"dot=True needs block_m >= 16 (got {self.block_m}); use dot=False for fewer rows")
-        if self.finish and (self.dot or self.block_m != 1):
-            raise MoEConfigError(f"finish=True needs one-row FMA tiles: dot=False and block_m=1 (got dot={self.dot}, "
-                                 f"block_m={self.block_m})")
+        if self.finish and not self.dot and self.block_m != 1:
+            raise MoEConfigError(f"finish=True FMA tiles take one row at a time: block_m=1 (got {self.block_m}); "
+                                 "use dot=True for a 16-row tile that finishes for one token")
 
 
 @dataclass(frozen=True)
@@ -160,10 +161,15 @@ DECODE_CONFIGS = {
 # fp8 W8A8 (fp8_block and fp8_token), by M as above: the fastest of benchmarks/mxfp4_decode.py's sweep on an
 # H100 (--quant fp8_block, Qwen3-30B-A3B at M = 1, 4, 16 and the DeepSeek-V3 EP8 slice at M = 1, 16; 20
 # candidates at M <= 16, FMA and tensor-core tiles; benchmarks/results/fp8_decode_nvidia-h100.md). Tensor
-# cores won everywhere, one token too (the swapped MMA pads activation rows, not weight rows). M = 1 takes
-# Qwen3's best (DeepSeek's own best is 2% faster there); from 2 tokens one tile is best or within 1% for both.
+# cores won everywhere, one token too (the swapped MMA pads activation rows, not weight rows); from 2 tokens one
+# tile is best or within 1% for both, and the H200's sweep at M = 4 and 16 (Qwen3, GPT-OSS-120B) kept it. M = 1:
+# the H200's sweeps of tiles that finish their own epilogue (benchmarks/results/fp8_decode_nvidia-h200.md), one
+# warpgroup: in one process 21.6 / 43.0 / 103.4 us at Qwen3, GPT-OSS and the DeepSeek slice against the H100 tile's
+# 24.3 / 46.0 / 102.5. GPT-OSS's own best (GEMM1 64 wide; GEMM2 4 splits, 8 warps) is 7% faster there and 15-18%
+# slower on the other two.
 FP8_DECODE_CONFIGS = {
-    1: DecodeConfig(DecodeTile(128, 128, 2, 16, True, False, 8, 3), DecodeTile(128, 128, 2, 16, True, False, 8, 3)),
+    1: DecodeConfig(DecodeTile(128, 128, 2, 16, True, False, 4, 3, finish=True),
+                    DecodeTile(128, 128, 2, 16, True, False, 4, 3, finish=True)),
     2: DecodeConfig(DecodeTile(128, 128, 1, 16, True, False, 8, 3), DecodeTile(128, 128, 1, 16, True, False, 8, 3)),
 }
 
@@ -280,18 +286,35 @@ def _routing(ids: torch.Tensor, weights: TritonWeights, num_local: int, workspac
 
 def _finishes(tile: DecodeTile, routing: _Routing, rows: int, n_out: int, tickets: torch.Tensor | None) -> bool:
     """Whether a GEMM of ``tile`` applies its split epilogue itself (`_decode._finish_if_last`): a ``finish``
-    tile whose programs take one slot each (the ticket is a scalar atomic: FMA tiles always, MMA tiles for one
-    token) and a ticket for each of ``rows`` x its N tiles."""
-    one_slot = not tile.mma or not routing.grouped
+    tile whose programs take one slot each (the ticket is a scalar atomic: FMA tiles always, MMA and tensor-core
+    tiles for one token) and a ticket for each of ``rows`` x its N tiles."""
+    one_slot = not (tile.mma or tile.dot) or not routing.grouped
     return tile.finish and one_slot and tickets is not None and rows * cdiv(n_out, tile.block_n) <= tickets.numel()
+
+
+def pdl_roles(x: torch.Tensor) -> tuple[int, int]:
+    """The two decode GEMMs' parts in a programmatic dependent launch (`_decode.PDL_FIRST`, `PDL_SECOND`) for
+    ``x``: for one token on SM90+, GEMM2 may launch once every GEMM1 program is past its K loop, and its programs
+    wait for GEMM1 to end before they start, so no launch gap separates the two. On an H200 that took fp8_block at
+    M = 1 from 21.68 to 21.12 us (Qwen3-30B-A3B) and 44.21 to 42.32 (GPT-OSS-120B), NVFP4 Qwen3 from 20.37 to
+    19.58; at M = 4 and 16 it was within noise (-0.2 to +1.0%), and GEMM2's programs taking free SMs from GEMM1's
+    start and asking L2 for their weights meanwhile was slower everywhere (up to 17% at M = 16;
+    benchmarks/results/fp8_decode_nvidia-h200.md). Elsewhere (more tokens, older GPUs, the CPU interpreter) both
+    run as plain launches."""
+    _decode = kernels("decode")
+    if x.shape[0] == 1 and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0):
+        return _decode.PDL_FIRST, _decode.PDL_SECOND
+    return _decode.PDL_NONE, _decode.PDL_NONE
 
 
 def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor | None, part: torch.Tensor, routing: _Routing,
           activation: Activation | None, a_row_div: int, tile: DecodeTile, asm: bool, finish: int = 0,
-          tickets: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None, top_k: int = 1) -> None:
+          tickets: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None, top_k: int = 1,
+          pdl: int = 0) -> None:
     """One decode GEMM: partial sums into ``part`` (or, with one split and an ``activation`` given,
     the activated result into ``out``); ``finish`` (`_decode.FINISH_ACTIVATE` / `FINISH_COMBINE`): the
-    last program of each output row's tile also applies the epilogue launch's work into ``out``."""
+    last program of each output row's tile also applies the epilogue launch's work into ``out``; ``pdl``:
+    its part in a programmatic dependent launch (`pdl_roles`)."""
     gated = activation is not None and activation.is_gated
     n_out = w.data.shape[1] // (2 if gated else 1)
     k = w.k
@@ -326,8 +349,8 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor | None, part: tor
         FUSED=fused, FINISH=finish, TOP_K=top_k, SPLITS=tile.splits, E_PAD=experts_pad(routing.num_local),
         EVEN_K=k % (FP8_GROUP_SIZE if fp8 else tile.block_k) == 0,
         IEEE=a.dtype == torch.float32, DOT=tile.dot, ASM=asm, SCALES=QUANT_CODES[w.fmt], BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages, MMA=tile.mma, num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages, MMA=tile.mma, PDL=pdl,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl == kernels("decode").PDL_SECOND,
     )
 
 
@@ -383,6 +406,7 @@ def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if config.uses_mma and config.fallback is not None and not mma_ready(weights, x):
         config = config.fallback
     routing = _routing(topk_ids, weights, num_local, workspace)
+    pdl1, pdl2 = pdl_roles(x)
     inter = workspace["inter"][:slots]
     part1 = workspace["decode_part1"][: config.gemm1.splits, :slots]
     part2 = workspace["decode_part2"][: config.gemm2.splits, :slots]
@@ -392,7 +416,7 @@ def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     # GEMM2's finishing program writes a token's row once all of its k slots arrive: every expert must be here
     finish2 = not has_map and _finishes(config.gemm2, routing, tokens, hidden, tickets)
     _gemm(x, w13, inter, part1, routing, activation, top_k, config.gemm1, tile_asm(config.gemm1, weights, x),
-          finish=_decode.FINISH_ACTIVATE if finish1 else _decode.FINISH_NONE, tickets=tickets)
+          finish=_decode.FINISH_ACTIVATE if finish1 else _decode.FINISH_NONE, tickets=tickets, pdl=pdl1)
     emap = routing.expert_map if has_map else routing.ids
     if config.gemm1.splits > 1 and not finish1:
         n = inter.shape[1]
@@ -404,7 +428,7 @@ def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
             SPLITS=config.gemm1.splits, BLOCK=_EPILOGUE_BLOCK)
     _gemm(inter, w2, out, part2, routing, None, 1, config.gemm2, tile_asm(config.gemm2, weights, x),
           finish=_decode.FINISH_COMBINE if finish2 else _decode.FINISH_NONE, tickets=tickets,
-          topk_weights=topk_weights, top_k=top_k)
+          topk_weights=topk_weights, top_k=top_k, pdl=pdl2)
     if finish2:
         return out
     _decode.combine_splits_kernel[(tokens, cdiv(hidden, _EPILOGUE_BLOCK))](
