@@ -280,7 +280,7 @@ def test_the_mma_decode_tiles_compile_with_one_element_per_thread(records, scale
                 and dict(r.constexprs)["GATED"] and dict(r.constexprs)["SCALES"] == QUANT_CODES[QuantFormat.MXFP4])
     record = mma_variant(base, scales, finish)
     with launches.Compiler(workers=1) as compiler:
-        results = [compiler.ttgir(launches.CompileJob(record, arch)) for arch in (90, 80)]
+        results = [compiler.stage(launches.CompileJob(record, arch)) for arch in (90, 80)]
         for error, ttgir in (future.result() for future in results):
             assert error is None, error
             layouts = dict(re.findall(r"^(#blocked\d*) = #ttg\.blocked<\{(.*)\}>", ttgir, re.M))
@@ -304,7 +304,7 @@ def test_the_decode_gemms_compile_for_a_programmatic_dependent_launch(records, p
     record = replace(base, constexprs=tuple(values.items()),
                      options=tuple(dict(base.options, launch_pdl=pdl == 2).items()))
     with launches.Compiler(workers=1) as compiler:
-        error, ptx = compiler.ttgir(launches.CompileJob(record, 90), "ptx").result()
+        error, ptx = compiler.stage(launches.CompileJob(record, 90), "ptx").result()
     assert error is None, error
     assert ("griddepcontrol.launch_dependents" in ptx) is (pdl == 1)
     assert ("griddepcontrol.wait" in ptx) is (pdl == 2)

@@ -193,9 +193,9 @@ def compile_one(job: CompileJob) -> str | None:
     return _compile(job)[0]
 
 
-def compile_ttgir(job: CompileJob, kind: str = "ttgir") -> tuple[str | None, str]:
-    """`compile_one`'s result and, for a full compile that succeeded, the kernel's TTGIR (Triton's GPU IR: its
-    tensors' layouts) or another of its stages (``kind``: "ptx", ...); else ""."""
+def compile_stage(job: CompileJob, kind: str = "ttgir") -> tuple[str | None, str]:
+    """`compile_one`'s result and, for a full compile that succeeded, one stage of the kernel (``kind``: "ttgir",
+    Triton's GPU IR with its tensors' layouts; "ptx"; ...); else ""."""
     return _compile(job, kind)
 
 
@@ -267,9 +267,9 @@ class Compiler:
             if job not in self._futures:
                 self._futures[job] = self._pool.submit(compile_one, job)
 
-    def ttgir(self, job: CompileJob, kind: str = "ttgir"):
-        """A future of `compile_ttgir` (``job`` is not among `results`)."""
-        return self._pool.submit(compile_ttgir, job, kind)
+    def stage(self, job: CompileJob, kind: str = "ttgir"):
+        """A future of `compile_stage` (``job`` is not among `results`)."""
+        return self._pool.submit(compile_stage, job, kind)
 
     def results(self) -> dict:
         """``{job: error or None}`` of every job queued, once all are done."""

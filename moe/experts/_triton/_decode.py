@@ -23,7 +23,13 @@ tiles cannot run. The weight format lives in `_weight_half_tiles` (tensor cores)
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:  # grid dependency control (a programmatic dependent launch): Triton 3.4+
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAS_PDL = True
+except ImportError:  # `decode.pdl_roles` never asks for it then
+    gdc_launch_dependents = gdc_wait = None
+    HAS_PDL = False
 
 from moe.experts._triton._decode_fp8 import GROUP, fp8_k_loop
 from moe.experts._triton._gemm import (_FP8_BLOCK, _FP8_ROW, _MXFP8, _NVFP4, _activate, _dot, _e4m3_scaled,

@@ -299,10 +299,10 @@ def pdl_roles(x: torch.Tensor) -> tuple[int, int]:
     M = 1 from 21.68 to 21.12 us (Qwen3-30B-A3B) and 44.21 to 42.32 (GPT-OSS-120B), NVFP4 Qwen3 from 20.37 to
     19.58; at M = 4 and 16 it was within noise (-0.2 to +1.0%), and GEMM2's programs taking free SMs from GEMM1's
     start and asking L2 for their weights meanwhile was slower everywhere (up to 17% at M = 16;
-    benchmarks/results/fp8_decode_nvidia-h200.md). Elsewhere (more tokens, older GPUs, the CPU interpreter) both
-    run as plain launches."""
+    benchmarks/results/fp8_decode_nvidia-h200.md). Elsewhere (more tokens, older GPUs, Triton before 3.4, the CPU
+    interpreter) both run as plain launches."""
     _decode = kernels("decode")
-    if x.shape[0] == 1 and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0):
+    if _decode.HAS_PDL and x.shape[0] == 1 and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0):
         return _decode.PDL_FIRST, _decode.PDL_SECOND
     return _decode.PDL_NONE, _decode.PDL_NONE
 
@@ -350,7 +350,8 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor | None, part: tor
         EVEN_K=k % (FP8_GROUP_SIZE if fp8 else tile.block_k) == 0,
         IEEE=a.dtype == torch.float32, DOT=tile.dot, ASM=asm, SCALES=QUANT_CODES[w.fmt], BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages, MMA=tile.mma, PDL=pdl,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl == kernels("decode").PDL_SECOND,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **({"launch_pdl": True} if pdl == kernels("decode").PDL_SECOND else {}),  # a launch option Triton 3.4 added
     )
 
 
