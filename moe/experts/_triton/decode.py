@@ -21,8 +21,9 @@ reproducible (the experts declare ``deterministic``), and the partials are tiny 
 by the GEMM's own last program per output row and N tile: a ticket (an int32 counter per row and tile,
 `TritonWeights.decode_tickets`) counts the programs that stored their partials, and the one that takes
 the last ticket sums them in the same order and resets it. That saves both epilogue launches where they
-weigh (one token); the fence each ticket costs outweighs them where many programs run. Everything stays
-on the GPU, shapes depend on M only: CUDA-graph capturable.
+weigh (one token); the fence each ticket costs outweighs them where many programs run. For one token on
+SM90+ gemm2 is also a programmatic dependent launch after gemm1 (`pdl_roles`). Everything stays on the GPU,
+shapes depend on M only: CUDA-graph capturable.
 """
 
 from __future__ import annotations
