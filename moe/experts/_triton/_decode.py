@@ -99,6 +99,7 @@ PDL_NONE, PDL_FIRST, PDL_SECOND = 0, 1, 2
 _PDL_FIRST = tl.constexpr(PDL_FIRST)
 _PDL_SECOND = tl.constexpr(PDL_SECOND)
 
+
 @triton.jit
 def _e2m1_bf16x2(packed, words, shifts, SCALES: tl.constexpr):
     """The packed bf16x2 PTX on a K step's bytes and scale words: (low, high) nibbles' bf16 values,
@@ -343,18 +344,6 @@ def _group(g, ids_ptr, map_ptr, counts_ptr, ends_ptr, num_local,
     return expert, g, 1
 
 
-@triton.jit
-def _split_steps(split, K, SCALES: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr):
-    """K steps ``k_first .. k_last - 1`` of ``split``: 128 columns each for fp8 (`_decode_fp8`), else BLOCK_K."""
-    if SCALES == _FP8_BLOCK or SCALES == _FP8_ROW:
-        steps = cdiv_(K, GROUP)
-    else:
-        steps = cdiv_(K, BLOCK_K)
-    per_split = cdiv_(steps, SPLITS)
-    k_first = tl.minimum(split * per_split, steps)
-    return k_first, tl.minimum(k_first + per_split, steps)
-
-
 # the token-dependent counts are not specialized on, so one compiled kernel serves every M
 @triton.jit(do_not_specialize=["num_local"])
 def decode_gemm_kernel(
@@ -391,7 +380,13 @@ def decode_gemm_kernel(
     offs_n = (tl.program_id(0) // SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_n = offs_n % N  # the tail's extra columns re-read valid ones; they are never stored
-    k_first, k_last = _split_steps(split, K, SCALES, BLOCK_K, SPLITS)
+    if SCALES == _FP8_BLOCK or SCALES == _FP8_ROW:  # K steps of 128 columns (_decode_fp8.py)
+        steps = cdiv_(K, GROUP)
+    else:
+        steps = cdiv_(K, BLOCK_K)
+    per_split = cdiv_(steps, SPLITS)
+    k_first = tl.minimum(split * per_split, steps)
+    k_last = tl.minimum(k_first + per_split, steps)
     expert = expert.to(tl.int64)
     w_base = w_ptr + expert * stride_we
     ws_base = ws_ptr + expert * stride_wse
