@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
 import torch
 
 from moe import MoEProblem, ParallelConfig
@@ -32,3 +37,15 @@ def assert_same_block_layout(got, want) -> None:
         start = int(ends[e]) - -(-count // want.block_m) * want.block_m
         segment = slice(start, start + count)
         assert torch.equal(got.sorted_slots.cpu()[segment].sort().values, want.sorted_slots.cpu()[segment].sort().values)
+
+
+@functools.lru_cache(maxsize=None)
+def benchmark_script(name: str):
+    """``benchmarks/<name>.py`` as a module, registered in `sys.modules` before it runs (a dataclass there looks its
+    module up while being defined)."""
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]

@@ -4,7 +4,6 @@ and session 9's run of the wgmma tiles, the newest source of measured-h100.yaml'
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from moe.errors import MoEConfigError
+from tests.helpers import benchmark_script
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -22,11 +22,7 @@ NEWEST = RESULTS / "fp8_block_wgmma_bench_nvidia-h100.json"  # Qwen3 fp8_block a
 
 @pytest.fixture(scope="module")
 def check():
-    spec = importlib.util.spec_from_file_location("check_regressions", ROOT / "benchmarks" / "check_regressions.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up while being defined
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("check_regressions")
 
 
 def records(path: Path) -> list[dict]:

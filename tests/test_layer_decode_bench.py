@@ -4,26 +4,21 @@ backend that cannot serve is a row with its reason, and the agreement check does
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import benchmark_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "layer_decode.py"
 SMOKE = ["--device", "cpu", "--dtype", "float32", "--scale", "16", "--budget-ms", "1", "--rotations", "2"]
 
 
 def _script():
-    """The script as a module (registered first: its dataclass looks its module up while being made)."""
-    if "layer_decode" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("layer_decode", SCRIPT)
-        sys.modules["layer_decode"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["layer_decode"])
-    return sys.modules["layer_decode"]
+    return benchmark_script("layer_decode")
 
 
 @pytest.fixture(autouse=True)
