@@ -148,7 +148,7 @@ class Sweep:
             return value if isinstance(value, float) else None
         if time.monotonic() > self.deadline:
             return None
-        triton_experts.decode_config = triton_experts.fp8_decode_config = lambda m: config
+        triton_experts.decode_config = triton_experts.fp8_decode_config = lambda m, *table: config
         try:
             calls = backend_calls(self.cls, self.problem, None, self.inputs, self.device, experts=self.experts,
                                   prepared=self.prepared)

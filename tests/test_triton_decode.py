@@ -104,7 +104,7 @@ def check_finishing(p, tile, num_tokens, want_epilogues, monkeypatch):
     finishing = replace(tile, finish=True)
     config = DecodeConfig(finishing, finishing)
     for lookup in ("decode_config", "fp8_decode_config"):
-        monkeypatch.setattr(f"moe.experts.triton.{lookup}", lambda m: config)
+        monkeypatch.setattr(f"moe.experts.triton.{lookup}", lambda m, *table: config)
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(make_weights(p))
     assert prepared.decode_tickets is not None and prepared.decode_tickets.dtype == torch.int32
@@ -126,7 +126,7 @@ def check_finishing(p, tile, num_tokens, want_epilogues, monkeypatch):
     assert epilogues <= kernels
     assert torch.equal(finished, launched)
     for lookup in ("decode_config", "fp8_decode_config"):
-        monkeypatch.setattr(f"moe.experts.triton.{lookup}", lambda m: DecodeConfig(tile, tile))  # finish=False
+        monkeypatch.setattr(f"moe.experts.triton.{lookup}", lambda m, *table: DecodeConfig(tile, tile))  # finish=False
     assert epilogues <= run(prepared)[1]
 
 

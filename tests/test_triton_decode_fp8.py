@@ -44,7 +44,7 @@ def dispatched_for(x, topk):
 def run_both(p, num_tokens, config, monkeypatch, hot=False, dtype=torch.float16):
     """(decode output, grouped-GEMM output, reference) for one routing; asserts the decode path ran."""
     monkeypatch.undo()  # a previous call's patches (the grouped path's last)
-    monkeypatch.setattr("moe.experts.triton.fp8_decode_config", lambda m: config)
+    monkeypatch.setattr("moe.experts.triton.fp8_decode_config", lambda m, *table: config)
     called = []
     real = decode.decode_experts
     monkeypatch.setattr("moe.experts.triton.decode_experts", lambda *a: called.append(1) or real(*a))
@@ -153,7 +153,7 @@ def test_fp8_weight_only_mode_keeps_the_grouped_gemm():
 
 def test_fp8_decode_rejects_a_block_k_not_dividing_the_group(monkeypatch):
     monkeypatch.setattr("moe.experts.triton.fp8_decode_config",
-                        lambda m: DecodeConfig(DecodeTile(16, 96, 2, 1, dot=False), FMA))
+                        lambda m, *table: DecodeConfig(DecodeTile(16, 96, 2, 1, dot=False), FMA))
     p = make_problem("fp8_block")
     x = torch.randn(1, p.hidden_size).half()
     with pytest.raises(MoEConfigError, match="block_k dividing the 128-column K step.*got 96"):

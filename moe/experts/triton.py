@@ -149,13 +149,14 @@ class TritonExperts(Experts):
         ids = dispatched.topk.ids
         act = QuantFormat.NONE if weights.weight_only else p.quant.activation  # what the GEMMs read
         if dispatched.x.fmt is QuantFormat.NONE and uses_decode(weights, act, slots):
-            if weights.w13.fmt in FP8_DECODE_FORMATS:
-                config = fp8_decode_config(tokens)
+            if weights.w13.fmt in FP8_DECODE_FORMATS:  # None: this shape's table runs the grouped GEMMs here
+                config = fp8_decode_config(tokens, weights.configs)
             else:  # by rows per expert: how many rows each streamed weight byte serves
                 config = decode_config(slots / p.local_num_experts)
-            return ExpertsOutput(OutputKind.REDUCED, decode_experts(
-                dispatched.x.data, ids, dispatched.topk.weights, weights, p.activation, p.local_num_experts,
-                config, workspace, out))
+            if config is not None:
+                return ExpertsOutput(OutputKind.REDUCED, decode_experts(
+                    dispatched.x.data, ids, dispatched.topk.weights, weights, p.activation, p.local_num_experts,
+                    config, workspace, out))
         config = weights.configs.lookup(tokens)
         # 1. routing -> blocks of rows sorted by expert (or, for decode, one program per slot)
         if config.direct:

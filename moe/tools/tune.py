@@ -319,8 +319,10 @@ def tune_preset(preset_name: str, quant: str, tokens, out_dir: Path, workers: in
     problem = preset.problem(quant=quant, max_tokens=max(tokens))
     weights = build_weights(problem, device)
     key = config_key(problem, "standard", device)
-    # buckets tuned before are kept: those in out_dir, else the table a load would read
-    configs = dict((ConfigTable.load(key, out_dir) if (out_dir / key.filename).exists() else ConfigTable.load(key)).configs)
+    # buckets tuned before are kept (and the table's decode section, which tuning does not touch): those in out_dir,
+    # else the table a load would read
+    before = ConfigTable.load(key, out_dir) if (out_dir / key.filename).exists() else ConfigTable.load(key)
+    configs = dict(before.configs)
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         for m in tokens:
@@ -328,7 +330,7 @@ def tune_preset(preset_name: str, quant: str, tokens, out_dir: Path, workers: in
             config, us = tune_bucket(case, quant, pool, device, f"{preset_name} {quant} M={m}", configs.get(m))
             sys.stderr.write(f"  M={m}: {config} ({us:.1f} us for the whole experts stage)\n")
             configs[m] = config
-            path = ConfigTable(key, tuple(sorted(configs.items()))).save(out_dir)
+            path = ConfigTable(key, tuple(sorted(configs.items())), before.decode).save(out_dir)
     return path  # saved after every bucket, so a run cut short keeps what it found
 
 

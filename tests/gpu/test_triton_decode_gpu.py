@@ -213,7 +213,7 @@ def test_qwen3_fp8_decode_matches_grouped_gemm_and_reference(quant, tokens, tile
     and scales are the same; only the fp32 summation order and the bf16 intermediate's rounding differ:
     within bf16's bound) and against the reference experts (fp8's)."""
     if tiles is not None:
-        monkeypatch.setattr("moe.experts.triton.fp8_decode_config", lambda m: DecodeConfig(*tiles))
+        monkeypatch.setattr("moe.experts.triton.fp8_decode_config", lambda m, *table: DecodeConfig(*tiles))
     p = qwen3(tokens, quant)
     weights = weights_for(p)
     experts = TritonExperts(p)
@@ -229,10 +229,38 @@ def test_qwen3_fp8_decode_matches_grouped_gemm_and_reference(quant, tokens, tile
 
 
 
+def gpt_oss_fp8(tokens):
+    return problem("fp8_block", "swiglu_oai", E=128, k=4, H=2880, I=2880, bias=True, max_tokens=tokens)
+
+
+@pytest.mark.parametrize("shape,tokens", [(qwen3, 2), (qwen3, 8), (gpt_oss_fp8, 1), (gpt_oss_fp8, 2), (gpt_oss_fp8, 4),
+                                          (gpt_oss_fp8, 8)])
+def test_a_shapes_own_fp8_decode_entries_match_the_grouped_gemm(shape, tokens, monkeypatch):
+    """The ``decode`` entries of this GPU's tables (the H200's: Qwen3-30B-A3B and GPT-OSS-120B): a tiles entry
+    against the grouped GEMM and the reference, a "grouped" entry the grouped GEMM's own output."""
+    p = shape(tokens)
+    weights = weights_for(p)
+    experts = TritonExperts(p)
+    prepared = experts.prepare_weights(weights)
+    if not [m for m, _ in prepared.configs.decode if m <= tokens]:
+        pytest.skip(f"no decode entry at M <= {tokens} in this GPU's table ({prepared.configs.key.device})")
+    config = decode.fp8_decode_config(tokens, prepared.configs)
+    d = dispatched_for(p, tokens)
+    out = run(experts, d, prepared).float().clone()
+    monkeypatch.setattr("moe.experts.triton.uses_decode", lambda *a: False)
+    grouped = run(experts, d, prepared).float()
+    context = f"{p.quant.weight.value} table decode entry M={tokens} {config}"
+    if config is None:
+        assert torch.equal(out, grouped), context
+        return
+    assert_close_moe(out, grouped, "bf16", context=context + " vs grouped GEMM")
+    assert_close_moe(out, reference(p, d.x.data, d.topk, weights), regime_for(p), context=context + " vs reference")
+
+
 def test_fp8_finish_tiles_cuda_graph_replay_equals_eager(monkeypatch):
     """One token on tensor-core tiles that finish their own split epilogue: the tickets are back at 0 after
     each launch, so every replay equals an eager call bit for bit."""
-    monkeypatch.setattr("moe.experts.triton.fp8_decode_config", lambda m: DecodeConfig(FP8_DOT_FINISH, FP8_DOT_FINISH))
+    monkeypatch.setattr("moe.experts.triton.fp8_decode_config", lambda m, *table: DecodeConfig(FP8_DOT_FINISH, FP8_DOT_FINISH))
     p = qwen3(1)
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(weights_for(p))

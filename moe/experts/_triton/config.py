@@ -8,7 +8,12 @@ before the packaged ones.
 
 File name: ``E=128,k=8,H=2048,I=768,silu,bf16,standard,NVIDIA_H200.json``; content::
 
-    {"key": {...ConfigKey fields...}, "configs": {"1": {"block_m": 16, "gemm1": {...}, ...}, ...}}
+    {"key": {...ConfigKey fields...}, "configs": {"1": {"block_m": 16, "gemm1": {...}, ...}, ...},
+     "decode": {"1": {"gemm1": {...DecodeTile fields...}, "gemm2": {...}}, "2": "grouped", "16": "default"}}
+
+The optional ``decode`` section is the shape's own choice for the fp8 decode path (`decode.fp8_decode_config`), by
+token count, the largest key at or below M: a pair of `decode.DecodeTile`, ``"grouped"`` (this shape runs the
+grouped GEMMs there instead) or ``"default"`` (the decode path's shared config).
 """
 
 from __future__ import annotations
@@ -130,6 +135,9 @@ class ConfigTable:
 
     key: ConfigKey
     configs: tuple[tuple[int, LaunchConfig], ...] = ()  # (M, config), ascending M
+    # (M, a {"gemm1": ..., "gemm2": ...} of DecodeTile fields, "grouped" or "default"), ascending M: the module
+    # docstring's ``decode`` section, which decode.py reads
+    decode: tuple[tuple[int, object], ...] = ()
 
     @classmethod
     def load(cls, key: ConfigKey, directory: Path | None = None) -> "ConfigTable":
@@ -151,7 +159,8 @@ class ConfigTable:
     def from_json(cls, key: ConfigKey, data: dict) -> "ConfigTable":
         """A table from a file's content (``{"key": ..., "configs": {M: config}}``)."""
         configs = sorted((int(m), LaunchConfig.from_dict(c)) for m, c in data["configs"].items())
-        return cls(key, tuple(configs))
+        decode = sorted((int(m), _decode_entry(m, entry)) for m, entry in data.get("decode", {}).items())
+        return cls(key, tuple(configs), tuple(decode))
 
     def save(self, directory: Path = CONFIG_DIR) -> Path:
         """Writes the table into ``directory`` (atomically: a reader never sees half a file)."""
@@ -160,6 +169,8 @@ class ConfigTable:
             "key": dataclasses.asdict(self.key),
             "configs": {str(m): c.to_dict() for m, c in self.configs},
         }
+        if self.decode:
+            data["decode"] = {str(m): entry for m, entry in self.decode}
         atomic_write(path, json.dumps(data, indent=1) + "\n")
         return path
 
@@ -176,6 +187,21 @@ class ConfigTable:
             return default_config(self.key, num_tokens)
         target = math.log2(max(num_tokens, 1))
         return min(usable, key=lambda mc: (abs(math.log2(mc[0]) - target), -mc[0]))[1]
+
+
+DECODE_CHOICES = ("grouped", "default")  # a decode entry that names no tiles
+
+
+def _decode_entry(m: str, entry: object) -> object:
+    """A table's ``decode`` entry as read: one of `DECODE_CHOICES`, or its two tiles' fields (checked as
+    `decode.DecodeTile` when the decode path builds them)."""
+    if entry in DECODE_CHOICES:
+        return entry
+    if not isinstance(entry, dict) or set(entry) != {"gemm1", "gemm2"} or not all(
+            isinstance(entry[g], dict) for g in entry):
+        raise MoEConfigError(f"decode entry {m!r}: expected {{'gemm1': {{...}}, 'gemm2': {{...}}}} of DecodeTile "
+                             f"fields or one of {DECODE_CHOICES} (got {entry!r})")
+    return {g: dict(entry[g]) for g in ("gemm1", "gemm2")}
 
 
 def triton_cache_dir() -> Path | None:

@@ -36,6 +36,7 @@ import torch
 from moe.activation import Activation
 from moe.experts._triton import cdiv, kernels
 from moe.experts._triton.align import align_block_size, experts_pad
+from moe.experts._triton.config import ConfigTable
 from moe.experts._triton.gemm import QUANT_CODES, activation_args, activation_code
 from moe.experts._triton.weights import MMA_ROWS, TritonWeights, WeightOperand
 from moe.errors import MoEConfigError
@@ -167,7 +168,8 @@ DECODE_CONFIGS = {
 # the H200's sweeps of tiles that finish their own epilogue (benchmarks/results/fp8_decode_nvidia-h200.md), one
 # warpgroup: in one process 21.6 / 43.0 / 103.4 us at Qwen3, GPT-OSS and the DeepSeek slice against the H100 tile's
 # 24.3 / 46.0 / 102.5. GPT-OSS's own best (GEMM1 64 wide; GEMM2 4 splits, 8 warps) is 7% faster there and 15-18%
-# slower on the other two.
+# slower on the other two: such a shape's own choices go in its tuned table's ``decode`` section (config.py), which
+# `fp8_decode_config` reads first.
 FP8_DECODE_CONFIGS = {
     1: DecodeConfig(DecodeTile(128, 128, 2, 16, True, False, 4, 3, finish=True),
                     DecodeTile(128, 128, 2, 16, True, False, 4, 3, finish=True)),
@@ -187,9 +189,26 @@ def decode_config(rows_per_expert: float) -> DecodeConfig:
                                fallback=_bucket(FALLBACK_DECODE_CONFIGS, rows_per_expert))
 
 
-def fp8_decode_config(num_tokens: int) -> DecodeConfig:
-    """fp8 W8A8's config (fp8_block, fp8_token) for ``num_tokens``."""
+def fp8_decode_config(num_tokens: int, table: ConfigTable | None = None) -> DecodeConfig | None:
+    """fp8 W8A8's config (fp8_block, fp8_token) for ``num_tokens``: the shape's own where its table has a
+    ``decode`` entry at or below ``num_tokens`` (config.py's docstring), None where that entry is ``"grouped"``
+    (the caller runs the grouped GEMMs), else `FP8_DECODE_CONFIGS`'."""
+    entries = [(m, entry) for m, entry in (table.decode if table is not None else ()) if m <= num_tokens]
+    if entries:
+        entry = entries[-1][1]
+        if entry == "grouped":
+            return None
+        if entry != "default":
+            return table_decode_config(entry)
     return _bucket(FP8_DECODE_CONFIGS, num_tokens)
+
+
+def table_decode_config(entry: dict) -> DecodeConfig:
+    """A table's ``decode`` entry of two tiles as a `DecodeConfig` (`DecodeTile` checks the fields)."""
+    try:
+        return DecodeConfig(DecodeTile(**entry["gemm1"]), DecodeTile(**entry["gemm2"]))
+    except TypeError as error:  # a field DecodeTile does not have
+        raise MoEConfigError(f"decode entry {entry!r}: {error}") from error
 
 
 def decodes(weight_fmt: QuantFormat, activation_fmt: QuantFormat) -> bool:
