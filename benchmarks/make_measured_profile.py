@@ -32,7 +32,8 @@ class Machine:
     (later files replace earlier measurements of the same backend, scheme, shape and M)."""
 
     kind: str  # Platform preset name; the profile is measured-<kind>.yaml
-    sources: dict[str, tuple[str, str | None]]  # file -> (list key, fixed preset or None to read each record's)
+    # file -> (list key, fixed preset or None to read each record's[, the schemes to read, where not all])
+    sources: dict[str, tuple]
     description: str
     # (backend, scheme) -> why: this machine's records of kernels rewritten since it was last lent. They are
     # left out, so the oracle reads a sibling's newer measurements (an H100 the H200's), each turned into an
@@ -85,6 +86,11 @@ MACHINES = {
         "fp8_block_ws2_bench_nvidia-h200.json": ("records", None),
         # session 18: the decode path's one-token tile, its own epilogue and PDL (fp8_block and bf16, M = 1, 4, 16)
         "fp8_decode_s18_bench_nvidia-h200.json": ("records", None),
+        # session 19: fp8_block with group_m 4 in the DeepSeek slice's ws tiles, M = 1-16384, the final code's run. Its
+        # bf16 records (no FlashInfer beside them) are left to session 15's, which were timed beside FlashInfer
+        "fp8_block_s19_bench_nvidia-h200.json": ("records", None, ("fp8_block",)),
+        # session 19: the per-shape decode sections of the fp8_block tables (Qwen3, GPT-OSS), M = 1-16
+        "fp8_decode_s19_tables_bench_nvidia-h200.json": ("records", None),
     }, "measured on nvidia-h200 (2026-11-22 to 2026-11-28; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
        "benchmarks/flashinfer_bench.py / benchmarks/ep_all_to_all.py"),
     "nvidia-h100": Machine("h100", {
@@ -115,7 +121,7 @@ def measurements(machine: Machine) -> list[ProfileEntry]:
     """Every record of ``machine``'s result files as a profile measurement, in file order."""
     platform = Platform.preset(machine.kind)
     entries = []
-    for name, (key, fixed_preset) in machine.sources.items():
+    for name, (key, fixed_preset, *schemes) in machine.sources.items():
         data = json.loads((RESULTS / name).read_text())
         if data[key] and "prepare_finalize" in data[key][0]:  # an expert-parallel file: the transports' times
             entries += _transport_entries(data[key], platform, f"benchmarks/results/{name}")
@@ -125,7 +131,7 @@ def measurements(machine: Machine) -> list[ProfileEntry]:
                 if r.get("error") or r["experts_us"] is None:
                     continue
                 r = {**r, "quant": r["scheme"], "us": r["experts_us"]}
-            if (r["experts"], r["quant"]) in machine.superseded:
+            if (r["experts"], r["quant"]) in machine.superseded or (schemes and r["quant"] not in schemes[0]):
                 continue
             preset = fixed_preset or r["preset"]
             problem = load_preset(preset).problem(quant=r["quant"], max_tokens=max(r["tokens"], 1))

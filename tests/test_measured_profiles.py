@@ -3,10 +3,7 @@ makes of the committed bench results, and a plan on that platform follows its ow
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -16,6 +13,7 @@ from moe.oracle import Policy, load_profile, plan
 from moe.oracle.profile import PROFILE_DIR
 from moe.platform import Platform
 from moe.presets import load_preset
+from tests.helpers import benchmark_script
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -23,14 +21,8 @@ H100_BENCH = ("bf16_qwen3_mixtral_nvidia-h100.json", "bf16_gpt-oss_deepseek_nvid
               "mxfp4_gpt-oss-120b_nvidia-h100.json")
 
 
-@functools.lru_cache(maxsize=None)
 def _script():
-    """benchmarks/make_measured_profile.py as a module (registered first: its dataclass needs that)."""
-    spec = importlib.util.spec_from_file_location("make_measured_profile", ROOT / "benchmarks" / "make_measured_profile.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("make_measured_profile")
 
 
 def _cells(*names: str) -> dict[tuple[str, str], dict[int, dict[str, float]]]:
@@ -63,6 +55,20 @@ def test_h100_profile_holds_every_record_of_the_h100_bench_files_but_the_superse
     assert not {(e.backend, e.quant) for e in shipped} & set(spec.superseded)
     assert set(spec.sources) >= set(H100_BENCH) and len(shipped) == len(last_file)
     assert {e.note for e in shipped} == {f"benchmarks/results/{name}" for name in set(last_file.values())}
+
+
+def test_a_source_read_for_some_schemes_only_leaves_the_others_to_earlier_files():
+    """Session 19's fp8_block run has bf16 beside it but no FlashInfer: the H200 profile takes its fp8_block records
+    and keeps the bf16 ones of the runs that timed FlashInfer beside them."""
+    spec = _script().MACHINES["nvidia-h200"]
+    name = "fp8_block_s19_bench_nvidia-h200.json"
+    assert spec.sources[name][2] == ("fp8_block",)
+    schemes = {r["quant"] for r in json.loads((RESULTS / name).read_text())["records"]}
+    assert schemes == {"fp8_block", "bf16"}
+    from_it = {e.quant for e in _script().measurements(spec) if e.note == f"benchmarks/results/{name}"}
+    assert from_it == {"fp8_block"}
+    shipped = load_profile(PROFILE_DIR / "measured-h200.yaml").entries
+    assert {e.quant for e in shipped if e.note == f"benchmarks/results/{name}"} == {"fp8_block"}
 
 
 def test_h100_plan_for_qwen3_decode_cites_an_h100_measurement_and_takes_its_fastest():
