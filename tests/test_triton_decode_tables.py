@@ -41,9 +41,14 @@ def test_a_decode_section_survives_a_save_and_a_load(tmp_path):
     assert [m for m, _ in written.decode] == [1, 2, 8]
 
 
-def test_a_table_without_a_decode_section_writes_none():
+def test_a_table_without_a_decode_section_writes_none(tmp_path):
     key = config_key(make_problem("fp8_block"), "standard", torch.device("cpu"))
     assert cfg.ConfigTable(key).decode == ()
+    assert "decode" not in json.loads(cfg.ConfigTable(key).save(tmp_path).read_text())
+
+
+def test_a_table_with_a_decode_section_stays_a_hashable_value():
+    assert hash(table()) == hash(table()) and table() == table()
 
 
 @pytest.mark.parametrize("entry", ["fast", {"gemm1": TILE}, {"gemm1": TILE, "gemm2": 3}, ["grouped"]])

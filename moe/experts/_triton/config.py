@@ -135,8 +135,9 @@ class ConfigTable:
 
     key: ConfigKey
     configs: tuple[tuple[int, LaunchConfig], ...] = ()  # (M, config), ascending M
-    # (M, a {"gemm1": ..., "gemm2": ...} of DecodeTile fields, "grouped" or "default"), ascending M: the module
-    # docstring's ``decode`` section, which decode.py reads
+    # (M, "grouped", "default" or the two tiles' fields as ((gemm, ((field, value), ...)), ...): hashable, as the
+    # rest of the table; `decode_tiles` gives them back as dicts), ascending M: the module docstring's ``decode``
+    # section, which decode.py reads
     decode: tuple[tuple[int, object], ...] = ()
 
     @classmethod
@@ -157,7 +158,7 @@ class ConfigTable:
 
     @classmethod
     def from_json(cls, key: ConfigKey, data: dict) -> "ConfigTable":
-        """A table from a file's content (``{"key": ..., "configs": {M: config}}``)."""
+        """A table from a file's content (``{"key": ..., "configs": {M: config}[, "decode": {M: entry}]}``)."""
         configs = sorted((int(m), LaunchConfig.from_dict(c)) for m, c in data["configs"].items())
         decode = sorted((int(m), _decode_entry(m, entry)) for m, entry in data.get("decode", {}).items())
         return cls(key, tuple(configs), tuple(decode))
@@ -170,7 +171,7 @@ class ConfigTable:
             "configs": {str(m): c.to_dict() for m, c in self.configs},
         }
         if self.decode:
-            data["decode"] = {str(m): entry for m, entry in self.decode}
+            data["decode"] = {str(m): entry if entry in DECODE_CHOICES else decode_tiles(entry) for m, entry in self.decode}
         atomic_write(path, json.dumps(data, indent=1) + "\n")
         return path
 
@@ -193,7 +194,7 @@ DECODE_CHOICES = ("grouped", "default")  # a decode entry that names no tiles
 
 
 def _decode_entry(m: str, entry: object) -> object:
-    """A table's ``decode`` entry as read: one of `DECODE_CHOICES`, or its two tiles' fields (checked as
+    """A table's ``decode`` entry as read: one of `DECODE_CHOICES`, or its two tiles' fields, frozen (checked as
     `decode.DecodeTile` when the decode path builds them)."""
     if entry in DECODE_CHOICES:
         return entry
@@ -201,7 +202,12 @@ def _decode_entry(m: str, entry: object) -> object:
             isinstance(entry[g], dict) for g in entry):
         raise MoEConfigError(f"decode entry {m!r}: expected {{'gemm1': {{...}}, 'gemm2': {{...}}}} of DecodeTile "
                              f"fields or one of {DECODE_CHOICES} (got {entry!r})")
-    return {g: dict(entry[g]) for g in ("gemm1", "gemm2")}
+    return tuple((g, tuple(sorted(entry[g].items()))) for g in ("gemm1", "gemm2"))
+
+
+def decode_tiles(entry: tuple) -> dict[str, dict]:
+    """A frozen tiles entry of `ConfigTable.decode` as ``{"gemm1": {field: value}, "gemm2": {...}}``."""
+    return {gemm: dict(fields) for gemm, fields in entry}
 
 
 def triton_cache_dir() -> Path | None:

@@ -36,7 +36,7 @@ import torch
 from moe.activation import Activation
 from moe.experts._triton import cdiv, kernels
 from moe.experts._triton.align import align_block_size, experts_pad
-from moe.experts._triton.config import ConfigTable
+from moe.experts._triton.config import ConfigTable, decode_tiles
 from moe.experts._triton.gemm import QUANT_CODES, activation_args, activation_code
 from moe.experts._triton.weights import MMA_ROWS, TritonWeights, WeightOperand
 from moe.errors import MoEConfigError
@@ -199,16 +199,17 @@ def fp8_decode_config(num_tokens: int, table: ConfigTable | None = None) -> Deco
         if entry == "grouped":
             return None
         if entry != "default":
-            return table_decode_config(entry)
+            return table_decode_config(decode_tiles(entry))
     return _bucket(FP8_DECODE_CONFIGS, num_tokens)
 
 
-def table_decode_config(entry: dict) -> DecodeConfig:
-    """A table's ``decode`` entry of two tiles as a `DecodeConfig` (`DecodeTile` checks the fields)."""
+def table_decode_config(tiles: dict) -> DecodeConfig:
+    """A table's ``decode`` entry of two tiles (`config.decode_tiles`) as a `DecodeConfig` (`DecodeTile` checks
+    the fields)."""
     try:
-        return DecodeConfig(DecodeTile(**entry["gemm1"]), DecodeTile(**entry["gemm2"]))
+        return DecodeConfig(DecodeTile(**tiles["gemm1"]), DecodeTile(**tiles["gemm2"]))
     except TypeError as error:  # a field DecodeTile does not have
-        raise MoEConfigError(f"decode entry {entry!r}: {error}") from error
+        raise MoEConfigError(f"decode entry {tiles!r}: {error}") from error
 
 
 def decodes(weight_fmt: QuantFormat, activation_fmt: QuantFormat) -> bool:
