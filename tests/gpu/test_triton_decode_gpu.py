@@ -233,11 +233,16 @@ def gpt_oss_fp8(tokens):
     return problem("fp8_block", "swiglu_oai", E=128, k=4, H=2880, I=2880, bias=True, max_tokens=tokens)
 
 
+def deepseek_slice_fp8(tokens):
+    return problem("fp8_block", "silu", E=32, k=8, H=7168, I=2048, max_tokens=tokens)
+
+
 @pytest.mark.parametrize("shape,tokens", [(qwen3, 2), (qwen3, 8), (gpt_oss_fp8, 1), (gpt_oss_fp8, 2), (gpt_oss_fp8, 4),
-                                          (gpt_oss_fp8, 8)])
+                                          (gpt_oss_fp8, 8), (deepseek_slice_fp8, 4)])
 def test_a_shapes_own_fp8_decode_entries_match_the_grouped_gemm(shape, tokens, monkeypatch):
-    """The ``decode`` entries of this GPU's tables (the H200's: Qwen3-30B-A3B and GPT-OSS-120B): a tiles entry
-    against the grouped GEMM and the reference, a "grouped" entry the grouped GEMM's own output."""
+    """The ``decode`` entries of this GPU's tables (the H200's: Qwen3-30B-A3B, GPT-OSS-120B, the DeepSeek-V3 EP8
+    slice): a tiles entry against the grouped GEMM and the reference, a "grouped" entry the grouped GEMM's own
+    output."""
     p = shape(tokens)
     weights = weights_for(p)
     experts = TritonExperts(p)
