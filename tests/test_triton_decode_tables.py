@@ -63,6 +63,14 @@ def test_a_tiles_entry_with_a_field_decode_tile_lacks_is_refused_when_built():
         fp8_decode_config(1, config)
 
 
+def test_a_table_with_a_bad_tiles_entry_is_refused_when_the_weights_are_prepared(monkeypatch):
+    p = make_problem("fp8_block", "silu", E=8, k=2, H=256, I=128, max_tokens=8)
+    bad = table({"2": {"gemm1": dict(TILE, warps=4), "gemm2": TILE}}, config_key(p, "standard", torch.device("cpu")))
+    monkeypatch.setattr("moe.experts.triton.ConfigTable.load", lambda key: bad)
+    with pytest.raises(MoEConfigError, match="decode entry .*warps"):
+        TritonExperts(p).prepare_weights(make_weights(p))
+
+
 def test_the_entry_at_or_below_m_decides_else_the_shared_config():
     t = table()
     want_tiles = DecodeConfig(DecodeTile(**TILE), DecodeTile(**dict(TILE, block_n=32)))

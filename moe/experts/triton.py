@@ -98,6 +98,8 @@ class TritonExperts(Experts):
         weights.validate(self.problem)
         p = self.problem
         table = ConfigTable.load(config_key(p, "standard", weights.device))
+        for m, _ in table.decode:  # a bad decode entry fails here, not at the first forward that reaches it
+            fp8_decode_config(m, table)
         expert_map = p.parallel.global_to_local(p.num_experts) if p.parallel.enabled else None
         weight_only = p.quant.is_quantized and activation_format(p, gpu_of(weights.device)) is QuantFormat.NONE
         decoded = decodes(p.quant.weight, QuantFormat.NONE if weight_only else p.quant.activation)

@@ -29,6 +29,7 @@ shapes depend on M only: CUDA-graph capturable.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -199,13 +200,15 @@ def fp8_decode_config(num_tokens: int, table: ConfigTable | None = None) -> Deco
         if entry == "grouped":
             return None
         if entry != "default":
-            return table_decode_config(decode_tiles(entry))
+            return table_decode_config(entry)
     return _bucket(FP8_DECODE_CONFIGS, num_tokens)
 
 
-def table_decode_config(tiles: dict) -> DecodeConfig:
-    """A table's ``decode`` entry of two tiles (`config.decode_tiles`) as a `DecodeConfig` (`DecodeTile` checks
-    the fields)."""
+@functools.lru_cache(maxsize=None)
+def table_decode_config(entry: tuple) -> DecodeConfig:
+    """A table's frozen ``decode`` entry of two tiles (`ConfigTable.decode`) as a `DecodeConfig` (`DecodeTile`
+    checks the fields), built once per entry rather than on every forward."""
+    tiles = decode_tiles(entry)
     try:
         return DecodeConfig(DecodeTile(**tiles["gemm1"]), DecodeTile(**tiles["gemm2"]))
     except TypeError as error:  # a field DecodeTile does not have
