@@ -114,6 +114,9 @@ FP8_VARIANTS = [
     # one warpgroup, Qwen3's GEMM2: 64 x 128, two programs per SM
     {"kernel": "fp8_ws", "GATED": False, "ACTIVATION": 0, "OUT_SORTED": False, "BLOCK_M": 64, "BLOCK_N": 128,
      "num_warps": 4, "programs": 2},
+    # an ungated (relu2) GEMM1: the epilogue applies its activation too
+    {"kernel": "fp8_ws", "GATED": False, "ACTIVATION": 4, "BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4,
+     "programs": 2},
 ]
 
 

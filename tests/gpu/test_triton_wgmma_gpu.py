@@ -114,3 +114,16 @@ def test_wgmma_config_rejects_unquantized_problems():
     """A wgmma tile on a bf16 problem is a clear error, not a wrong result."""
     with pytest.raises(ValueError, match="wgmma=True configs run fp8_block"):
         run_qwen3_under("bf16", wgmma_tiles())
+
+
+@pytest.mark.parametrize("config", [wgmma_tiles(64, 4, gemm1_n=128), wgmma_tiles(64, 4, gemm1_n=128, ws=BOTH)],
+                         ids=["wgmma", "ws"])
+def test_ungated_relu2_experts_get_their_activation_in_the_gluon_epilogues(config):
+    """Nemotron-H's relu2 experts (w13 has I = 1856 rows, no up half) under the Gluon GEMMs: the epilogue applies
+    relu(x)^2 to an ungated tile too (it once applied activations to gated tiles only), equal to the pointer
+    path and the reference."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("SM90 only")
+    layer = sm90_layer("nemotron-h", "fp8_block", "wgmma")
+    for tokens in (3, 256):
+        check_against_pointer_and_reference(layer, tokens, config, pointer_tiles(config.block_m), 1e-2)

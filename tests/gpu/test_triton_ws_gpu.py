@@ -73,3 +73,12 @@ def test_ws_config_rejects_quantized_problems():
     """A ws tile on an fp8 problem is a clear error naming the constraint, not a wrong result."""
     with pytest.raises(MoEConfigError, match="tma_a=True tiles need dense weights"):
         run_qwen3_under("fp8_block", ws_tiles())
+
+
+def test_ungated_relu2_experts_get_their_activation_in_the_ws_epilogue():
+    """Nemotron-H's relu2 experts (w13 has I = 1856 rows, no up half) under the bf16 ws GEMMs: the epilogue applies
+    relu(x)^2 to an ungated tile too (it once applied activations to gated tiles only), equal to the pointer path
+    and the reference."""
+    layer = sm90_layer("nemotron-h", "bf16", "ws")
+    for tokens in (3, 256):
+        check_against_pointer_and_reference(layer, tokens, ws_tiles(), plain(ws_tiles()), 2e-2)

@@ -201,18 +201,17 @@ def _epilogue(out, up, layout: gl.constexpr, expert, m0, n0, valid, bias_ptr, ou
               stride_bn, stride_om, stride_on, alpha, beta, limit, GATED: gl.constexpr, ACTIVATION: gl.constexpr,
               HAS_BIAS: gl.constexpr, OUT_SORTED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """The Gluon kernels' tile epilogue: ``out`` (the gate half when ``GATED``) and ``up`` in ``layout`` (an
-    ungated tile passes ``out`` again, unread), the expert's biases added, the activation applied, the rows
-    stored (`_store_sorted_block`)."""
+    ungated tile passes ``out`` again, unread), the expert's biases added, the activation applied (gated or not:
+    relu2 too; ACTIVATION 0 leaves ``out`` as it is), the rows stored (`_store_sorted_block`)."""
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     cols = offs_n % N  # the tail's extra columns read valid biases; they are never stored
     b_base = bias_ptr + expert.to(gl.int64) * stride_be
     if HAS_BIAS:
         out += gl.expand_dims(gl.load(b_base + cols * stride_bn).to(gl.float32), 0)
-    if GATED:
-        if HAS_BIAS:
-            up += gl.expand_dims(gl.load(b_base + (cols + N) * stride_bn).to(gl.float32), 0)
-        out = _activate(out, up, ACTIVATION, alpha, beta, limit)
+    if GATED and HAS_BIAS:
+        up += gl.expand_dims(gl.load(b_base + (cols + N) * stride_bn).to(gl.float32), 0)
+    out = _activate(out, up, ACTIVATION, alpha, beta, limit)  # an ungated one (relu2) reads the first only
     _store_sorted_block(out_ptr, out, offs_m, offs_n, N, m0, valid, rows_ptr, stride_om, stride_on, OUT_SORTED,
                         BLOCK_M)
 
