@@ -1,5 +1,5 @@
 """GPU, fp8_block, in one process: the fp8 decode choices of a preset's shipped table against the alternatives, each
-side timed under CUDA graphs alternately (round after round) and checked against the table's own output.
+side timed under CUDA graphs alternately (round after round), its output compared with the table's.
 
 Sides: ``table`` (what the table's ``decode`` section picks: its tiles, "grouped" or the shared config), ``shared``
 (`decode.FP8_DECODE_CONFIGS`, the section unread) and ``grouped`` (the grouped GEMMs, no decode kernels)::
