@@ -1,14 +1,17 @@
 """GPU, fp8_block, in one process: the fp8 decode choices of a preset's shipped table against the alternatives, each
-side timed under CUDA graphs alternately (round after round), its output compared with the table's.
+side timed alternately (round after round) as `moe bench` times the experts stage (its inputs, rotated through, its
+CUDA-graph timer), its output compared with the table's.
 
 Sides: ``table`` (what the table's ``decode`` section picks: its tiles, "grouped" or the shared config), ``shared``
 (`decode.FP8_DECODE_CONFIGS`, the section unread) and ``grouped`` (the grouped GEMMs, no decode kernels)::
 
     python benchmarks/decode_tables_ab.py deepseek-v3-ep8-slice,qwen3-30b-a3b 2,4,5,6,7,8 [table,shared,grouped]
 
-``ROUNDS`` (default 3) sets the rounds. Writes ``$OUT/decode_tables_ab.json``: µs per side and round, per cell, and
-each side's largest difference from the table's output relative to its largest value. Results:
-benchmarks/results/fp8_decode_nvidia-h200.md.
+``ROUNDS`` (default 3) sets the rounds; ``ROTATIONS`` (default 4, `moe bench`'s) the input sets, each with its own
+routing, that every timing rotates through. Session 20's runs used one input set and the test suite's routing; at
+M = 3 they timed the same choice 5-13% faster than `moe bench` did (benchmarks/results/fp8_decode_nvidia-h200.md).
+Writes ``$OUT/decode_tables_ab.json``: µs per side and round, per cell, and each side's largest difference from the
+table's output relative to its largest value.
 """
 
 import json
@@ -21,13 +24,8 @@ import torch
 from moe.experts import triton as triton_experts
 from moe.experts._triton import decode
 from moe.experts.triton import TritonExperts
-from moe.formats import ActivationFormat, Dispatched, DispatchShape
 from moe.presets import load_preset
-from moe.quant import QuantizedTensor
-from moe.tools.bench import build_weights
-from moe.workspace import WorkspaceManager
-from tests.gpu.test_triton_gpu import topk_for
-from tests.helpers import benchmark_script
+from moe.tools.bench import backend_calls, build_weights, make_inputs, time_calls
 
 SIDES = {
     "table": None,  # the experts' own lookup
@@ -50,44 +48,51 @@ def side(name: str):
         triton_experts.fp8_decode_config = saved
 
 
-def main(presets: list[str], tokens_list: list[int], sides: list[str], rounds: int) -> dict:
-    timed = benchmark_script("wgmma_tiles_check").timed
-    relative = benchmark_script("wgmma_tiles_check").relative
+def time_sides(calls: list, sides: list[str], rounds: int, timer=time_calls, graphs: bool = True) -> dict:
+    """µs per side and round of ``calls`` (`moe.tools.bench.backend_calls`' experts stage on each input set, timed
+    together by ``timer``), sides alternating within each round, and (with ``table`` among them) each side's
+    largest difference from the table's output of the first input set, relative to its largest value."""
+    row = {name: [] for name in sides}
+    outputs = {}
+    for _ in range(rounds):
+        for name in sides:
+            with side(name):  # a CUDA graph captures the side's launches inside the block
+                outputs[name] = calls[0]().out.float().clone()
+                row[name].append(round(timer(calls, graphs), 1))
+    if "table" in outputs:
+        scale = outputs["table"].abs().max().clamp_min(1e-30)
+        row["vs_table"] = {name: ((out - outputs["table"]).abs().max() / scale).item() for name, out in outputs.items()}
+    return row
+
+
+def main(presets: list[str], tokens_list: list[int], sides: list[str], rounds: int, rotations: int) -> dict:
+    device = torch.device("cuda")
     results = {}
-    for preset in presets:
-        p = load_preset(preset).problem(quant="fp8_block", max_tokens=max(tokens_list))
+    for name in presets:
+        preset = load_preset(name)
+        p = preset.problem(quant="fp8_block", max_tokens=max(tokens_list))
+        weights = build_weights(p, device)
         experts = TritonExperts(p)
-        prepared = experts.prepare_weights(build_weights(p, torch.device("cuda")))
-        ws = WorkspaceManager("cuda").take(
-            experts.workspace_shapes(DispatchShape(ActivationFormat.STANDARD, max(tokens_list))))
+        prepared = experts.prepare_weights(weights)
         for tokens in tokens_list:
             torch.manual_seed(tokens)
-            x = torch.randn(tokens, p.hidden_size, device="cuda", dtype=p.dtype)
-            dispatched = Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=x, scale=None, fmt="none"),
-                                    topk_for(p, tokens))
-            row = {name: [] for name in sides}
-            outputs = {}
-            for _ in range(rounds):
-                for name in sides:
-                    with side(name):
-                        outputs[name], us = timed(experts, dispatched, prepared, ws)
-                    row[name].append(round(us, 1))
-            if "table" in outputs:
-                row["vs_table"] = {name: relative(out, outputs["table"]) for name, out in outputs.items()}
-            best = min(sides, key=lambda name: min(row[name]))
-            print(f"{preset} M={tokens}: " + ", ".join(f"{name} {row[name]}" for name in sides)
+            inputs = make_inputs(preset, p, tokens, rotations, device)
+            calls = backend_calls(TritonExperts, p, weights, inputs, device, experts=experts, prepared=prepared)
+            row = time_sides(calls, sides, rounds)
+            best = min(sides, key=lambda s: min(row[s]))
+            print(f"{name} M={tokens}: " + ", ".join(f"{s} {row[s]}" for s in sides)
                   + f" -> fastest {best}; vs table {row.get('vs_table')}", flush=True)
-            results[f"{preset} {tokens}"] = row
+            results[f"{name} {tokens}"] = row
     return results
 
 
 if __name__ == "__main__":
     chosen = sys.argv[3].split(",") if len(sys.argv) > 3 else list(SIDES)
-    for name in chosen:
-        if name not in SIDES:
-            raise SystemExit(f"side must be one of {', '.join(SIDES)} (got {name!r})")
+    for side_name in chosen:
+        if side_name not in SIDES:
+            raise SystemExit(f"side must be one of {', '.join(SIDES)} (got {side_name!r})")
     found = main(sys.argv[1].split(","), [int(t) for t in sys.argv[2].split(",")], chosen,
-                 int(os.environ.get("ROUNDS", "3")))
+                 int(os.environ.get("ROUNDS", "3")), int(os.environ.get("ROTATIONS", "4")))
     out = os.environ.get("OUT", "/tmp")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "decode_tables_ab.json"), "w") as f:

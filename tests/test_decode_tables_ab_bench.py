@@ -1,20 +1,30 @@
-"""benchmarks/decode_tables_ab.py's sides on a CPU: each replaces the experts' fp8 decode choice while its block
-runs and puts it back whatever the block does; an unknown side is refused, naming it."""
+"""benchmarks/decode_tables_ab.py on a CPU (Triton's interpreter): each side replaces the experts' fp8 decode choice
+while its block runs and puts it back whatever the block does; `time_sides` runs every side on `moe bench`'s calls,
+alternating, and compares each output with the table's; an unknown side is refused, naming it."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+if not shutil.which("nvidia-smi"):  # a CPU machine: the interpreter, before triton decorates any kernel
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
 from moe.experts import triton as triton_experts  # noqa: E402
 from moe.experts._triton import decode  # noqa: E402
 from moe.experts._triton.config import ConfigTable  # noqa: E402
+from moe.experts.triton import TritonExperts  # noqa: E402
+from moe.tools.bench import backend_calls  # noqa: E402
 from tests.helpers import benchmark_script  # noqa: E402
+from tests.test_triton import make_problem, make_topk, make_weights  # noqa: E402
 
 TABLE = ConfigTable(None, (), ((4, "grouped"),))  # a table whose decode section sends M >= 4 to the grouped GEMMs
 
@@ -32,6 +42,32 @@ def test_each_side_decides_as_it_says_and_the_experts_get_their_own_back():
             assert triton_experts.fp8_decode_config(2, TABLE) is None
             raise RuntimeError("a failing timing")
     assert triton_experts.fp8_decode_config is own
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU's check")
+def test_time_sides_runs_each_side_on_the_bench_calls_and_compares_it_with_the_table():
+    """A table without a decode section picks the shared config, so that side's output has the table's bits; the
+    grouped GEMMs differ by their roundings only. Each side's calls run under the side (the timer sees which)."""
+    p = make_problem("fp8_block", "silu", E=8, k=2, H=256, I=128, max_tokens=8)
+    experts = TritonExperts(p)
+    weights = make_weights(p)
+    prepared = experts.prepare_weights(weights)
+    assert not prepared.configs.decode
+    inputs = [(torch.randn(2, p.hidden_size).half(), make_topk(2, p)) for _ in range(2)]
+    calls = backend_calls(TritonExperts, p, weights, inputs, torch.device("cpu"), experts=experts, prepared=prepared)
+    seen = []
+
+    def timer(timed_calls, graphs):
+        assert timed_calls is calls and graphs is False
+        seen.append(triton_experts.fp8_decode_config(2, prepared.configs))
+        return 7.0
+
+    row = benchmark_script("decode_tables_ab").time_sides(calls, ["table", "shared", "grouped"], 2, timer, False)
+    shared = decode.fp8_decode_config(2)
+    assert seen == [shared, shared, None] * 2  # the rounds alternate the sides
+    assert row["table"] == row["shared"] == row["grouped"] == [7.0, 7.0]
+    assert row["vs_table"]["table"] == 0.0 and row["vs_table"]["shared"] == 0.0
+    assert 0.0 < row["vs_table"]["grouped"] < 0.05
 
 
 def test_an_unknown_side_is_refused_naming_it():
