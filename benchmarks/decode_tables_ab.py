@@ -34,11 +34,15 @@ SIDES = {
 }
 
 
+def check_side(name: str) -> None:
+    if name not in SIDES:
+        raise ValueError(f"side must be one of {', '.join(SIDES)} (got {name!r})")
+
+
 @contextmanager
 def side(name: str):
     """The experts' fp8 decode choice replaced by side ``name``'s (`SIDES`) while the block runs."""
-    if name not in SIDES:
-        raise ValueError(f"side must be one of {', '.join(SIDES)} (got {name!r})")
+    check_side(name)
     saved = triton_experts.fp8_decode_config
     if SIDES[name] is not None:
         triton_experts.fp8_decode_config = SIDES[name]
@@ -88,9 +92,11 @@ def main(presets: list[str], tokens_list: list[int], sides: list[str], rounds: i
 
 if __name__ == "__main__":
     chosen = sys.argv[3].split(",") if len(sys.argv) > 3 else list(SIDES)
-    for side_name in chosen:
-        if side_name not in SIDES:
-            raise SystemExit(f"side must be one of {', '.join(SIDES)} (got {side_name!r})")
+    try:
+        for side_name in chosen:
+            check_side(side_name)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     found = main(sys.argv[1].split(","), [int(t) for t in sys.argv[2].split(",")], chosen,
                  int(os.environ.get("ROUNDS", "3")), int(os.environ.get("ROTATIONS", "4")))
     out = os.environ.get("OUT", "/tmp")

@@ -122,8 +122,6 @@ def test_ungated_relu2_experts_get_their_activation_in_the_gluon_epilogues(confi
     """Nemotron-H's relu2 experts (w13 has I = 1856 rows, no up half) under the Gluon GEMMs: the epilogue applies
     relu(x)^2 to an ungated tile too (it once applied activations to gated tiles only), equal to the pointer
     path and the reference."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("SM90 only")
-    layer = sm90_layer("nemotron-h", "fp8_block", "wgmma")
+    layer = sm90_layer("nemotron-h", "fp8_block", "wgmma")  # skips off SM90
     for tokens in (3, 256):
         check_against_pointer_and_reference(layer, tokens, config, pointer_tiles(config.block_m), 1e-2)
