@@ -45,8 +45,8 @@ BENCH_SHAPES = {
                                   expert_map=tuple(i // 2 if i % 2 == 0 else -1 for i in range(64))),
     "mixtral-8x7b": dict(E=8, k=2, H=128, I=448, activation="silu"),
 }
-DIRECT = cfg.LaunchConfig(16, cfg.TileConfig(32, 64), cfg.TileConfig(32, 64), direct=True)
-SORTED = cfg.LaunchConfig(16, cfg.TileConfig(32, 64), cfg.TileConfig(32, 64), direct=False)
+DIRECT = cfg.LaunchConfig(16, cfg.TileConfig(64, 64), cfg.TileConfig(64, 64), direct=True)
+SORTED = cfg.LaunchConfig(16, cfg.TileConfig(64, 64), cfg.TileConfig(64, 64), direct=False)
 
 
 def make_problem(quant, *, E=8, k=2, H=64, I=96, activation="silu", bias=False, expert_map=None,
