@@ -9,7 +9,8 @@ Sides: ``table`` (what the table's ``decode`` section picks: its tiles, "grouped
 
 ``ROUNDS`` (default 3) sets the rounds; ``ROTATIONS`` (default 4, `moe bench`'s) the input sets, each with its own
 routing, that every timing rotates through. Session 20's runs used one input set and the test suite's routing; at
-M = 3 they timed the same choice 5-13% faster than `moe bench` did (benchmarks/results/fp8_decode_nvidia-h200.md).
+M = 3 they timed the same choice 5-13% faster than `moe bench` did, and two of the choices made on them lost over
+four routings in session 21 (benchmarks/results/fp8_decode_nvidia-h200.md).
 Writes ``$OUT/decode_tables_ab.json``: µs per side and round, per cell, and each side's largest difference from the
 table's output relative to its largest value.
 """

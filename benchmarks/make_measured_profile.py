@@ -95,7 +95,10 @@ MACHINES = {
         "fp8_block_s19_qwen3_bench_nvidia-h200.json": ("records", None),
         # session 20: the fp8_block tables' decode sections re-timed (Qwen3, GPT-OSS, the DeepSeek slice), M = 1-32
         "fp8_decode_s20_tables_bench_nvidia-h200.json": ("records", None),
-    }, "measured on nvidia-h200 (2026-11-22 to 2026-12-01; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
+        # session 21: the decode sections re-timed over the bench's rotated routings (Qwen3, GPT-OSS, the DeepSeek
+        # slice), M = 1-32
+        "fp8_decode_s21_tables_bench_nvidia-h200.json": ("records", None),
+    }, "measured on nvidia-h200 (2026-11-22 to 2026-12-02; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
        "benchmarks/flashinfer_bench.py / benchmarks/ep_all_to_all.py"),
     "nvidia-h100": Machine("h100", {
         "bf16_qwen3_mixtral_nvidia-h100.json": ("records", None),
