@@ -25,12 +25,10 @@ $(BASE):
 	touch $@
 
 # Triton kernels run on CPU under TRITON_INTERPRET=1; the example plugin tests the entry-point group;
-# transformers builds the tiny random models of the integration tests (no downloads). --no-compile: the tests
-# import a small part of these packages, whose bytecode Python writes on first import; compiling all of it at
-# install took 74 s against 43 s without (transformers is most of it), on CI's 2 cores.
+# transformers builds the tiny random models of the integration tests (no downloads).
 $(TESTS): $(BASE)
-	$(PIP) --no-compile -e '.[test]' "triton==3.9.0" matplotlib "transformers==5.24.0"
-	$(PIP) --no-compile --no-deps $(FLASHINFER)
+	$(PIP) -e '.[test]' "triton==3.9.0" matplotlib "transformers==5.24.0"
+	$(PIP) --no-deps $(FLASHINFER)
 	$(PIP) -e examples/plugin_backend
 	rm -f $(VENV)/.test-*
 	touch $@
