@@ -10,7 +10,8 @@ that CUDA graphs remove, so the sum here is the GPU busy time, not the bench's w
 ``--ncu`` runs one call per (preset, M) after the warm-up between ``cudaProfilerStart`` and ``Stop``, without
 torch.profiler (CUPTI is ncu's then), for Nsight Compute. Session 17's profiles
 (benchmarks/results/fp8_ws_ncu_nvidia-h200.txt) came from a throwaway script doing the same, under these
-commands (the flag folds that script in here; the flag itself has not yet run on a GPU)::
+commands (the flag folds that script in here; its first GPU run, session 21, gave
+benchmarks/results/ncu_bf16_ws_mixtral_m1024_nvidia-h200.txt with the first of them)::
 
     ncu --profile-from-start off --set full -k regex:moe_gemm --launch-count 2 \
         python3 benchmarks/kernel_breakdown.py --preset deepseek-v3-ep8-slice --quant fp8_block --tokens 1024 --ncu
