@@ -308,3 +308,33 @@ def test_the_decode_gemms_compile_for_a_programmatic_dependent_launch(records, p
     assert error is None, error
     assert ("griddepcontrol.launch_dependents" in ptx) is (pdl == 1)
     assert ("griddepcontrol.wait" in ptx) is (pdl == 2)
+
+
+def test_records_carry_what_a_launch_specializes_as_multiples_of_16(records):
+    """A GPU launch tells the compiler which ints and tensor addresses are multiples of 16; the records carry it, so
+    the compile here is the GPU's: the fp8 decode GEMM (one token, tensor cores) streams its weights through a
+    ``cp.async`` ring, which it does not without the hint. ``do_not_specialize`` arguments stay unmarked."""
+    base = next(r for r in records if r.name == "moe.experts._triton._decode.decode_gemm_kernel"
+                and dict(r.constexprs)["SCALES"] == QUANT_CODES[QuantFormat.FP8_BLOCK] and dict(r.constexprs)["DOT"]
+                and dict(r.constexprs)["FINISH"] != 0)
+    assert {"a_ptr", "w_ptr", "stride_wn"} <= set(base.divisible)  # bf16 activations, fp8 weights, K = 64 or 128
+    assert "num_local" not in base.divisible  # do_not_specialize
+    gpu = launches.bfloat16_twin(base) or base
+    with launches.Compiler(workers=1) as compiler:
+        hinted = compiler.stage(launches.CompileJob(gpu, 90), "ttgir")
+        bare = compiler.stage(launches.CompileJob(replace(gpu, divisible=()), 90), "ttgir")
+        (error, ttgir), (bare_error, bare_ttgir) = hinted.result(), bare.result()
+    assert error is None and bare_error is None, (error, bare_error)
+    copies = [line for line in ttgir.splitlines() if "async_copy_global_to_local" in line and "f8E4M3FN" in line]
+    assert copies, "no fp8 weight tile is copied asynchronously"
+    assert not [line for line in bare_ttgir.splitlines() if "async_copy_global_to_local" in line and "f8E4M3FN" in line]
+
+
+def test_launch_record_marks_multiples_of_16_but_not_bools_or_unspecialized_arguments():
+    def kernel(a_ptr, n, m, flag, stride, BLOCK: "tl.constexpr"):  # noqa: F821 -- the annotation is only read
+        pass
+
+    x = torch.zeros(64)
+    record = launches.launch_record(kernel, (x, 32, 33, True, 16), {"BLOCK": 8}, do_not_specialize=("stride",))
+    assert record.divisible == ("a_ptr", "n")
+    assert launches.launch_record(kernel, (x[1:], 48, 0, False, 3), {"BLOCK": 8}).divisible == ("n", "m")

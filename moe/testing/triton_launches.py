@@ -8,7 +8,10 @@ and the ``ptxas`` of its wheel), so a CPU test can run the GPU's compiler on the
 interpreter ran:
 
 1. `record_launches` records every ``kernel[grid](...)`` launch made inside it as a `LaunchRecord`:
-   the kernel, the Triton type of each runtime argument, the constexpr values, the launch options.
+   the kernel, the Triton type of each runtime argument, the constexpr values, the launch options, and
+   which arguments a GPU launch would specialize as multiples of 16 (ints, tensor addresses): the hint
+   that lets Triton vectorize and software-pipeline loads. Without it the compiled K loops are not the
+   GPU's (the fp8 decode GEMM's weights were plain loads, not a ``cp.async`` ring).
 2. `compile_jobs` makes each distinct record `CompileJob`s: the launch as recorded and, for a record
    with float16 tensors, the same launch in bfloat16 (what a GPU model runs; the interpreter
    computes bfloat16 wrongly, so no CPU test launches it); for sm90, and for sm80 unless the
@@ -48,6 +51,7 @@ class LaunchRecord:
     signature: Items  # (parameter, Triton type) of each runtime argument: "*fp16", "i32", "fp32", ...
     constexprs: Items  # (parameter, value) of each ``tl.constexpr`` parameter
     options: Items  # launch options (num_warps, num_stages) as given; absent ones take Triton's defaults
+    divisible: tuple[str, ...] = ()  # runtime arguments a launch specializes as multiples of 16 (`divisible_by_16`)
 
     @property
     def name(self) -> str:
@@ -77,23 +81,39 @@ def _is_constexpr(parameter: inspect.Parameter) -> bool:
     return "constexpr" in str(parameter.annotation)
 
 
-def launch_record(fn, args: tuple, kwargs: dict) -> LaunchRecord:
+def divisible_by_16(value) -> bool:
+    """Whether a launch specializes this runtime argument as a multiple of 16 (Triton's ``tt.divisibility``
+    16): an int (not a bool) that is one, or a tensor whose address is (a GPU allocation always is; a view
+    may not be). Ints equal to 1, which a launch also turns into constants, stay arguments here."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value % 16 == 0
+    data_ptr = getattr(value, "data_ptr", None)
+    return data_ptr is not None and data_ptr() % 16 == 0
+
+
+def launch_record(fn, args: tuple, kwargs: dict, do_not_specialize=()) -> LaunchRecord:
     """The `LaunchRecord` of ``fn[grid](*args, **kwargs)`` (``fn``: the Python function under the
-    ``@triton.jit``); types by Triton's own mapping (``mangle_type``), as its launcher specializes."""
+    ``@triton.jit``); types by Triton's own mapping (``mangle_type``), as its launcher specializes, and
+    the arguments it would specialize as multiples of 16, but for ``do_not_specialize`` (the decorator's
+    names or positions)."""
     from triton.runtime.jit import mangle_type  # noqa: PLC0415 (triton only where used)
 
     parameters = inspect.signature(fn).parameters
     bound = inspect.signature(fn).bind(*args, **{k: v for k, v in kwargs.items() if k in parameters})
     bound.apply_defaults()
-    signature, constexprs = [], []
-    for name, parameter in parameters.items():
+    signature, constexprs, divisible = [], [], []
+    for position, (name, parameter) in enumerate(parameters.items()):
         value = bound.arguments[name]
         if _is_constexpr(parameter):
             constexprs.append((name, value))
-        else:
-            signature.append((name, mangle_type(value)))
+            continue
+        signature.append((name, mangle_type(value)))
+        if divisible_by_16(value) and name not in do_not_specialize and position not in do_not_specialize:
+            divisible.append(name)
     options = tuple((k, v) for k, v in kwargs.items() if k not in parameters)
-    return LaunchRecord(fn.__module__, fn.__name__, tuple(signature), tuple(constexprs), options)
+    return LaunchRecord(fn.__module__, fn.__name__, tuple(signature), tuple(constexprs), options, tuple(divisible))
 
 
 @contextlib.contextmanager
@@ -110,7 +130,10 @@ def record_launches():
         launch = original(kernel, grid)
 
         def recorded(*args, **kwargs):
-            records.append(launch_record(kernel.fn, args, kwargs))
+            # a compiled JITFunction keeps the decorator's list as an attribute, the interpreter's in its kwargs
+            unspecialized = getattr(kernel, "do_not_specialize", None) or \
+                getattr(kernel, "kwargs", {}).get("do_not_specialize") or ()
+            records.append(launch_record(kernel.fn, args, kwargs, tuple(unspecialized)))
             return launch(*args, **kwargs)
 
         return recorded
@@ -211,7 +234,8 @@ def _compile(job: CompileJob, kind: str = "ttgir") -> tuple[str | None, str]:
     assert isinstance(fn, triton.runtime.JITFunction), f"{record.name} is {type(fn).__name__}: interpreted?"
     signature = dict(record.signature) | {name: "constexpr" for name, _ in record.constexprs}
     constexprs = {(fn.arg_names.index(name),): value for name, value in record.constexprs}
-    source = ASTSource(fn=fn, signature={n: signature[n] for n in fn.arg_names}, constexprs=constexprs)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in record.divisible}
+    source = ASTSource(fn=fn, signature={n: signature[n] for n in fn.arg_names}, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", job.arch, 32)
     try:
         if job.full:
