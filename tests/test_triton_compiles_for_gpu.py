@@ -291,15 +291,20 @@ def test_the_mma_decode_tiles_compile_with_one_element_per_thread(records, scale
             assert ttgir.count("mma.sync.aligned.m16n8k16") >= 1
 
 
+def one_token_fp8_dot_record(records):
+    """The fp8_block decode GEMM on tensor cores that finishes its own epilogue: what the one-token configs launch."""
+    return next(r for r in records if r.name == "moe.experts._triton._decode.decode_gemm_kernel"
+                and dict(r.constexprs)["SCALES"] == QUANT_CODES[QuantFormat.FP8_BLOCK] and dict(r.constexprs)["DOT"]
+                and dict(r.constexprs)["FINISH"] != 0)
+
+
 @pytest.mark.parametrize("pdl", [1, 2], ids=["first", "second"])
 def test_the_decode_gemms_compile_for_a_programmatic_dependent_launch(records, pdl):
     """On SM90 the decode GEMMs run as a programmatic dependent launch (`decode.pdl_roles`; the CPU never launches
     one): GEMM1 lets the next grid start after its K loop (griddepcontrol.launch_dependents), GEMM2 is launched so
     and waits for GEMM1 (griddepcontrol.wait) -- on an fp8 tensor-core tile that finishes its own epilogue, as the
     one-token configs do."""
-    base = next(r for r in records if r.name == "moe.experts._triton._decode.decode_gemm_kernel"
-                and dict(r.constexprs)["SCALES"] == QUANT_CODES[QuantFormat.FP8_BLOCK] and dict(r.constexprs)["DOT"]
-                and dict(r.constexprs)["FINISH"] != 0)
+    base = one_token_fp8_dot_record(records)
     values = dict(base.constexprs) | dict(PDL=pdl)
     record = replace(base, constexprs=tuple(values.items()),
                      options=tuple(dict(base.options, launch_pdl=pdl == 2).items()))
@@ -314,9 +319,7 @@ def test_records_carry_what_a_launch_specializes_as_multiples_of_16(records):
     """A GPU launch tells the compiler which ints and tensor addresses are multiples of 16; the records carry it, so
     the compile here is the GPU's: the fp8 decode GEMM (one token, tensor cores) streams its weights through a
     ``cp.async`` ring, which it does not without the hint. ``do_not_specialize`` arguments stay unmarked."""
-    base = next(r for r in records if r.name == "moe.experts._triton._decode.decode_gemm_kernel"
-                and dict(r.constexprs)["SCALES"] == QUANT_CODES[QuantFormat.FP8_BLOCK] and dict(r.constexprs)["DOT"]
-                and dict(r.constexprs)["FINISH"] != 0)
+    base = one_token_fp8_dot_record(records)
     assert {"a_ptr", "w_ptr", "stride_wn"} <= set(base.divisible)  # bf16 activations, fp8 weights, K = 64 or 128
     assert "num_local" not in base.divisible  # do_not_specialize
     gpu = launches.bfloat16_twin(base) or base
@@ -325,9 +328,12 @@ def test_records_carry_what_a_launch_specializes_as_multiples_of_16(records):
         bare = compiler.stage(launches.CompileJob(replace(gpu, divisible=()), 90), "ttgir")
         (error, ttgir), (bare_error, bare_ttgir) = hinted.result(), bare.result()
     assert error is None and bare_error is None, (error, bare_error)
-    copies = [line for line in ttgir.splitlines() if "async_copy_global_to_local" in line and "f8E4M3FN" in line]
-    assert copies, "no fp8 weight tile is copied asynchronously"
-    assert not [line for line in bare_ttgir.splitlines() if "async_copy_global_to_local" in line and "f8E4M3FN" in line]
+
+    def fp8_async_copies(ir: str) -> list[str]:
+        return [line for line in ir.splitlines() if "async_copy_global_to_local" in line and "f8E4M3FN" in line]
+
+    assert fp8_async_copies(ttgir), "no fp8 weight tile is copied asynchronously"
+    assert not fp8_async_copies(bare_ttgir)
 
 
 def test_launch_record_marks_multiples_of_16_but_not_bools_or_unspecialized_arguments():
