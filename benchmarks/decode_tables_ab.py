@@ -1,13 +1,15 @@
-"""GPU, fp8_block, in one process: the fp8 decode choices of a preset's shipped table against the alternatives, each
-side timed alternately (round after round) as `moe bench` times the experts stage (its inputs, rotated through, its
-CUDA-graph timer), its output compared with the table's.
+"""GPU, in one process: the decode choices of a preset's shipped table against the alternatives, each side timed
+alternately (round after round) as `moe bench` times the experts stage (its inputs, rotated through, its CUDA-graph
+timer), its output compared with the table's.
 
 Sides: ``table`` (what the table's ``decode`` section picks: its tiles, "grouped" or the shared config), ``shared``
-(`decode.FP8_DECODE_CONFIGS`, the section unread) and ``grouped`` (the grouped GEMMs, no decode kernels)::
+(the section unread: `decode.FP8_DECODE_CONFIGS`, or for the weight-only formats the bucket of `decode.DECODE_CONFIGS`)
+and ``grouped`` (the grouped GEMMs, no decode kernels)::
 
     python benchmarks/decode_tables_ab.py deepseek-v3-ep8-slice,qwen3-30b-a3b 2,4,5,6,7,8 [table,shared,grouped]
 
-``ROUNDS`` (default 3) sets the rounds; ``ROTATIONS`` (default 4, `moe bench`'s) the input sets, each with its own
+``QUANT`` (default fp8_block; mxfp4, nvfp4 or mxfp8 for the weight-only path) sets the scheme; ``ROUNDS`` (default
+3) the rounds; ``ROTATIONS`` (default 4, `moe bench`'s) the input sets, each with its own
 routing, that every timing rotates through. Session 20's runs used one input set and the test suite's routing; at
 M = 3 they timed the same choice 5-13% faster than `moe bench` did, and two of the choices made on them lost over
 four routings in session 21 (benchmarks/results/fp8_decode_nvidia-h200.md).
@@ -28,10 +30,11 @@ from moe.experts.triton import TritonExperts
 from moe.presets import load_preset
 from moe.tools.bench import backend_calls, build_weights, make_inputs, time_calls
 
+# side: (fp8's choice by tokens, the weight-only formats' by rows per expert); None: the experts' own lookup
 SIDES = {
-    "table": None,  # the experts' own lookup
-    "shared": lambda m, *table: decode.fp8_decode_config(m),
-    "grouped": lambda m, *table: None,
+    "table": None,
+    "shared": (lambda m, *table: decode.fp8_decode_config(m), lambda rows, *table: decode.decode_config(rows)),
+    "grouped": (lambda m, *table: None, lambda rows, *table: None),
 }
 
 
@@ -42,15 +45,15 @@ def check_side(name: str) -> None:
 
 @contextmanager
 def side(name: str):
-    """The experts' fp8 decode choice replaced by side ``name``'s (`SIDES`) while the block runs."""
+    """The experts' decode choices replaced by side ``name``'s (`SIDES`) while the block runs."""
     check_side(name)
-    saved = triton_experts.fp8_decode_config
+    saved = triton_experts.fp8_decode_config, triton_experts.decode_config
     if SIDES[name] is not None:
-        triton_experts.fp8_decode_config = SIDES[name]
+        triton_experts.fp8_decode_config, triton_experts.decode_config = SIDES[name]
     try:
         yield
     finally:
-        triton_experts.fp8_decode_config = saved
+        triton_experts.fp8_decode_config, triton_experts.decode_config = saved
 
 
 def time_sides(calls: list, sides: list[str], rounds: int, timer=time_calls, graphs: bool = True) -> dict:
@@ -70,12 +73,13 @@ def time_sides(calls: list, sides: list[str], rounds: int, timer=time_calls, gra
     return row
 
 
-def main(presets: list[str], tokens_list: list[int], sides: list[str], rounds: int, rotations: int) -> dict:
+def main(presets: list[str], tokens_list: list[int], sides: list[str], rounds: int, rotations: int,
+         quant: str = "fp8_block") -> dict:
     device = torch.device("cuda")
     results = {}
     for name in presets:
         preset = load_preset(name)
-        p = preset.problem(quant="fp8_block", max_tokens=max(tokens_list))
+        p = preset.problem(quant=quant, max_tokens=max(tokens_list))
         weights = build_weights(p, device)
         experts = TritonExperts(p)
         prepared = experts.prepare_weights(weights)
@@ -99,7 +103,8 @@ if __name__ == "__main__":
     except ValueError as error:
         raise SystemExit(str(error)) from None
     found = main(sys.argv[1].split(","), [int(t) for t in sys.argv[2].split(",")], chosen,
-                 int(os.environ.get("ROUNDS", "3")), int(os.environ.get("ROTATIONS", "4")))
+                 int(os.environ.get("ROUNDS", "3")), int(os.environ.get("ROTATIONS", "4")),
+                 os.environ.get("QUANT", "fp8_block"))
     out = os.environ.get("OUT", "/tmp")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "decode_tables_ab.json"), "w") as f:

@@ -1,9 +1,10 @@
-"""benchmarks/decode_tables_ab.py on a CPU (Triton's interpreter): each side replaces the experts' fp8 decode choice
-while its block runs and puts it back whatever the block does; `time_sides` runs every side on `moe bench`'s calls,
+"""benchmarks/decode_tables_ab.py on a CPU (Triton's interpreter): each side replaces the experts' decode choices (fp8's
+and the weight-only formats') while its block runs and puts it back whatever the block does; `time_sides` runs every side on `moe bench`'s calls,
 alternating, and compares each output with the table's; an unknown side is refused, naming it."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -42,6 +43,24 @@ def test_each_side_decides_as_it_says_and_the_experts_get_their_own_back():
             assert triton_experts.fp8_decode_config(2, TABLE) is None
             raise RuntimeError("a failing timing")
     assert triton_experts.fp8_decode_config is own
+
+
+def test_the_sides_decide_for_the_weight_only_formats_too():
+    """The weight-only lookup (by rows per expert, then the table) is swapped with fp8's: ``shared`` reads the bucket
+    whatever the table says, ``grouped`` runs no decode kernels, and the experts get their own back."""
+    from moe.experts._triton.config import ConfigKey
+
+    side = benchmark_script("decode_tables_ab").side
+    own = triton_experts.decode_config
+    entry = dataclasses.asdict(decode.mma_tile(16, 1, 4, finish=True))
+    table = ConfigTable.from_json(ConfigKey(128, 8, 2048, 768, "silu", "nvfp4", "standard", "NVIDIA H200"),
+                                  {"configs": {}, "decode": {"1": {"gemm1": entry, "gemm2": entry}}})
+    assert own(0.0625, 1, table).gemm1 == decode.mma_tile(16, 1, 4, finish=True)
+    with side("shared"):
+        assert triton_experts.decode_config(0.0625, 1, table) == decode.decode_config(0.0625)
+    with side("grouped"):
+        assert triton_experts.decode_config(0.0625, 1, table) is None
+    assert triton_experts.decode_config is own
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU's check")

@@ -103,7 +103,7 @@ DOT_FINISH_TILES = DecodeConfig(DecodeTile(32, 128, 2, 16, dot=True, finish=True
 def decode(tokens, config, activation="swiglu_oai", quant="mxfp4"):
     """The fp4 or fp8_block decode kernels (`_triton/decode.py`, M * k <= 256) under ``config``: gemm, the
     split sums' epilogues, and for more than one token the unpadded alignment."""
-    with mock.patch("moe.experts.triton.decode_config", lambda m: config), \
+    with mock.patch("moe.experts.triton.decode_config", lambda m, *table: config), \
             mock.patch("moe.experts.triton.fp8_decode_config", lambda m, *table: config):
         standard(quant, activation, tokens=tokens, bias=activation == "swiglu_oai")
 

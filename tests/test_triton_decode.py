@@ -43,11 +43,11 @@ def routed(num_tokens, p, hot=False):
 
 
 def check(p, num_tokens, config, monkeypatch, hot=False, dtype=torch.float16):
-    monkeypatch.setattr(decode, "decode_config", lambda m: config)
+    monkeypatch.setattr(decode, "decode_config", lambda m, *table: config)
     called = []
     real = decode.decode_experts
     monkeypatch.setattr("moe.experts.triton.decode_experts", lambda *a: called.append(1) or real(*a))
-    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m: config)
+    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m, *table: config)
     weights = make_weights(p)
     x = torch.randn(num_tokens, p.hidden_size).to(dtype)
     topk = routed(num_tokens, p, hot)
@@ -207,6 +207,33 @@ def test_decode_config_by_rows_per_expert(rows_per_expert):
     assert all(t.block_m == (16 if t.dot else 1) for t in (fallback.gemm1, fallback.gemm2))
 
 
+def test_a_shapes_own_weight_only_decode_entries_come_first():
+    """A table's ``decode`` entries (config.py) serve the weight-only formats as they serve fp8: the shape's own tiles
+    at and above their M, with the bucket's FMA / tensor-core fallback attached; ``"default"`` the bucket's config;
+    ``"grouped"`` none (the grouped GEMMs run). The H200's packaged tables hold one-token entries for Qwen3-30B-A3B
+    and GPT-OSS-120B, MXFP4 and NVFP4 (benchmarks/results/fp4_gemv_decode_nvidia-h200.md, session 23)."""
+    import dataclasses
+
+    from moe.experts._triton.config import ConfigKey, ConfigTable
+
+    own = {"gemm1": dataclasses.asdict(decode.mma_tile(64, 2, 8, finish=True)),
+           "gemm2": dataclasses.asdict(decode.mma_tile(16, 2, 2, finish=True))}
+    key = ConfigKey(128, 8, 2048, 768, "silu", "mxfp4", "standard", "NVIDIA H200")
+    table = ConfigTable.from_json(key, {"configs": {}, "decode": {"1": own, "2": "default", "3": "grouped"}})
+    one = decode.decode_config(0.0625, 1, table)
+    assert (one.gemm1, one.gemm2) == (decode.mma_tile(64, 2, 8, finish=True), decode.mma_tile(16, 2, 2, finish=True))
+    assert one.fallback == decode.decode_config(0.0625).fallback is not None
+    assert decode.decode_config(0.125, 2, table) == decode.decode_config(0.125)
+    assert decode.decode_config(0.1875, 3, table) is None
+    assert decode.decode_config(0.0625) == decode.decode_config(0.0625, 1, None)  # no table: the bucket
+    for shape in ((128, 8, 2048, 768, "silu"), (128, 4, 2880, 2880, "swiglu_oai")):
+        for quant in ("mxfp4", "nvfp4"):
+            packaged = ConfigTable.load(ConfigKey(*shape, quant, "standard", "NVIDIA H200"))
+            config = decode.decode_config(0.05, 1, packaged)
+            assert config.gemm1.mma and config.gemm1.finish and config.gemm2.mma and config.gemm2.finish, shape
+            assert decode.decode_config(0.1, 2, packaged) == decode.decode_config(0.1), shape
+
+
 def test_mma_configs_fall_back_where_the_mma_tiles_cannot_run(monkeypatch):
     """On this CPU no weights carry MMA fragments (the interpreter runs no PTX): the default configs run their
     fallback, and an MMA config without one says what it needs."""
@@ -229,7 +256,7 @@ def test_weight_only_decode_matches_the_weight_only_reference(quant, num_tokens,
     from moe.weights import ExpertWeights
 
     config = DecodeConfig(*tiles)
-    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m: config)
+    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m, *table: config)
     called = []
     real = decode.decode_experts
     monkeypatch.setattr("moe.experts.triton.decode_experts", lambda *a: called.append(1) or real(*a))

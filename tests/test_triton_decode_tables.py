@@ -1,6 +1,6 @@
-"""A shape's own choices for the fp8 decode path, in its tuned table's ``decode`` section (config.py's docstring):
+"""A shape's own choices for the decode path, in its tuned table's ``decode`` section (config.py's docstring):
 how the section is read, written and checked, which config `decode.fp8_decode_config` gives at each M, that every
-shipped section builds valid tiles, and (Triton's CPU interpreter) that a "grouped" entry runs the grouped GEMMs and
+shipped section (fp8 and weight-only) builds valid tiles, and (Triton's CPU interpreter) that a "grouped" entry runs the grouped GEMMs and
 a tiles entry the decode path with those tiles."""
 
 import dataclasses
@@ -17,7 +17,8 @@ import torch  # noqa: E402
 from moe.errors import MoEConfigError  # noqa: E402
 from moe.experts._triton import config as cfg  # noqa: E402
 from moe.experts._triton import decode  # noqa: E402
-from moe.experts._triton.decode import FP8_DECODE_CONFIGS, DecodeConfig, DecodeTile, fp8_decode_config  # noqa: E402
+from moe.experts._triton.decode import (FP8_DECODE_CONFIGS, DecodeConfig, DecodeTile, decode_config,  # noqa: E402
+                                        fp8_decode_config)
 from moe.experts._triton.support import config_key  # noqa: E402
 from moe.experts.triton import TritonExperts  # noqa: E402
 from tests.test_triton import make_problem, make_topk, make_weights  # noqa: E402
@@ -90,11 +91,17 @@ def test_every_shipped_decode_section_builds_its_tiles():
             continue
         sections += 1
         loaded = cfg.ConfigTable.from_json(cfg.ConfigKey(**data["key"]), data)
-        assert data["key"]["scheme"].startswith("fp8"), path.name  # the section is the fp8 decode path's
+        scheme = data["key"]["scheme"]
+        assert scheme in ("fp8_block", "fp8_token", "mxfp4", "nvfp4", "mxfp8"), path.name  # a decode path's scheme
         for m, _ in loaded.decode:
-            config = fp8_decode_config(m, loaded)
+            if scheme.startswith("fp8"):
+                config = fp8_decode_config(m, loaded)
+            else:  # weight-only: by rows per expert past the table's entries
+                config = decode_config(m * loaded.key.top_k / loaded.key.num_experts, m, loaded)
             assert config is None or isinstance(config, DecodeConfig), (path.name, m)
-    assert sections >= 3  # Qwen3-30B-A3B's, GPT-OSS-120B's and the DeepSeek-V3 EP8 slice's on the H200
+    # fp8: Qwen3-30B-A3B's, GPT-OSS-120B's and the DeepSeek-V3 EP8 slice's on the H200; weight-only: Qwen3's and
+    # GPT-OSS's, MXFP4 and NVFP4
+    assert sections >= 7
 
 
 @pytest.fixture

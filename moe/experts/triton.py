@@ -154,7 +154,7 @@ class TritonExperts(Experts):
             if weights.w13.fmt in FP8_DECODE_FORMATS:  # None: this shape's table runs the grouped GEMMs here
                 config = fp8_decode_config(tokens, weights.configs)
             else:  # by rows per expert: how many rows each streamed weight byte serves
-                config = decode_config(slots / p.local_num_experts)
+                config = decode_config(slots / p.local_num_experts, tokens, weights.configs)
             if config is not None:
                 return ExpertsOutput(OutputKind.REDUCED, decode_experts(
                     dispatched.x.data, ids, dispatched.topk.weights, weights, p.activation, p.local_num_experts,

@@ -50,7 +50,7 @@ def dispatched_for(p, tokens):
 @pytest.mark.parametrize("tokens", [1, 16, 64])
 @pytest.mark.parametrize("tiles", [(FMA, DOT), (DOT, FMA), (DOT_ONE_SPLIT, DOT_ONE_SPLIT)], ids=["fma", "dot", "f32-dequant"])
 def test_gpt_oss_decode_matches_reference(tokens, tiles, monkeypatch):
-    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m: DecodeConfig(*tiles))
+    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m, *table: DecodeConfig(*tiles))
     p = gpt_oss(tokens)
     weights = weights_for(p)
     experts = TritonExperts(p)
@@ -77,7 +77,7 @@ def outputs_with_and_without_ptx(experts, d, prepared, make_tile, monkeypatch):
     outs = []
     for asm in (True, False):
         tile = make_tile(asm)
-        monkeypatch.setattr("moe.experts.triton.decode_config", lambda m, t=tile: DecodeConfig(t, t))
+        monkeypatch.setattr("moe.experts.triton.decode_config", lambda m, *table, t=tile: DecodeConfig(t, t))
         outs.append(run(experts, d, prepared).clone())
     return outs
 
@@ -154,7 +154,7 @@ def nvfp4_weights(p):
 
 def run_nvfp4(p, tokens, tiles, monkeypatch, d=None, weights=None):
     """(output, dispatched, weights, the ``asm`` flag of each GEMM launch) of the decode path."""
-    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m: DecodeConfig(*tiles))
+    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m, *table: DecodeConfig(*tiles))
     launches = []
     real = decode._gemm
     # the launch's asm argument, read by the unpatched launcher's signature (``real`` may be a patch already)
@@ -289,7 +289,7 @@ def test_mma_tiles_match_reference(quant, tokens, tiles, monkeypatch):
     experts: at 33 and 64 tokens some experts take more than the MMA's 8 tokens, some none), against the
     reference; the NVFP4 block scales over e4m3's range. ``finish`` tiles apply the split epilogue themselves
     for one token (K steps of 64 loaded 4 at a time there, past the splits' ends too) and launch it from 3."""
-    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m: DecodeConfig(*tiles))
+    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m, *table: DecodeConfig(*tiles))
     if quant == "mxfp4":
         p = gpt_oss(tokens)
         weights = weights_for(p)
@@ -308,9 +308,39 @@ def test_mma_tiles_match_reference(quant, tokens, tiles, monkeypatch):
                          context=f"mma mxfp4 M={tokens}")
 
 
+@pytest.mark.parametrize("quant", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("shape", ["qwen3", "gpt-oss"])
+def test_a_shapes_own_weight_only_decode_entries_match_the_grouped_gemm(shape, quant):
+    """The one-token ``decode`` entries of this GPU's weight-only tables (the H200's: Qwen3-30B-A3B and GPT-OSS-120B,
+    MXFP4 and NVFP4): against the grouped GEMM and the reference, and CUDA-graph replay equal to eager."""
+    if shape == "qwen3":
+        p = problem(quant, "silu", E=128, k=8, H=2048, I=768, max_tokens=1)
+    else:
+        p = problem(quant, "swiglu_oai", E=128, k=4, H=2880, I=2880, bias=True, max_tokens=1)
+    weights = weights_for(p, spread=(0.125, 128.0)) if quant == "nvfp4" else weights_for(p)
+    experts = TritonExperts(p)
+    prepared = experts.prepare_weights(weights)
+    if not [m for m, _ in prepared.configs.decode if m <= 1]:
+        pytest.skip(f"no decode entry at M = 1 in this GPU's table ({prepared.configs.key.device})")
+    config = decode.decode_config(p.top_k / p.local_num_experts, 1, prepared.configs)
+    d = dispatched_for(p, 1)
+    assert decode.mma_ready(prepared, d.x.data) and config.uses_mma
+    out = run(experts, d, prepared).float().clone()
+    context = f"{quant} {shape} table decode entry M=1 {config}"
+    if quant == "nvfp4":
+        assert_close_moe(out, weight_only_reference(p, d, weights), "bf16", context=context + " vs reference")
+    else:
+        assert_close_moe(out, reference(p, d.x.data, d.topk, weights), regime_for(p), context=context + " vs reference")
+    assert_replay_equals_eager_without_sync(experts, prepared, p, 1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("moe.experts.triton.uses_decode", lambda *a: False)
+        grouped = run(experts, d, prepared).float()
+    assert_close_moe(out, grouped, "bf16", context=context + " vs grouped GEMM")
+
+
 @pytest.mark.parametrize("tokens, tile", [(16, MMA), (1, MMA_FINISH)], ids=["splits", "finish"])
 def test_mma_tiles_cuda_graph_replay_equals_eager(tokens, tile, monkeypatch):
-    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m: DecodeConfig(tile, tile))
+    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m, *table: DecodeConfig(tile, tile))
     p = gpt_oss(tokens)
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(weights_for(p))
@@ -318,7 +348,7 @@ def test_mma_tiles_cuda_graph_replay_equals_eager(tokens, tile, monkeypatch):
 
 
 def test_mma_tiles_refuse_weights_without_fragments(monkeypatch):
-    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m: DecodeConfig(MMA, MMA))
+    monkeypatch.setattr("moe.experts.triton.decode_config", lambda m, *table: DecodeConfig(MMA, MMA))
     p = gpt_oss(1)
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(weights_for(p))

@@ -11,9 +11,11 @@ File name: ``E=128,k=8,H=2048,I=768,silu,bf16,standard,NVIDIA_H200.json``; conte
     {"key": {...ConfigKey fields...}, "configs": {"1": {"block_m": 16, "gemm1": {...}, ...}, ...},
      "decode": {"1": {"gemm1": {...DecodeTile fields...}, "gemm2": {...}}, "2": "grouped", "16": "default"}}
 
-The optional ``decode`` section is the shape's own choice for the fp8 decode path (`decode.fp8_decode_config`), by
-token count, the largest key at or below M: a pair of `decode.DecodeTile`, ``"grouped"`` (this shape runs the
-grouped GEMMs there instead) or ``"default"`` (the decode path's shared config).
+The optional ``decode`` section is the shape's own choice for the decode path (fp8 W8A8: `decode.fp8_decode_config`;
+the weight-only formats: `decode.decode_config`), by token count, the largest key at or below M: a pair of
+`decode.DecodeTile`, ``"grouped"`` (this shape runs the grouped GEMMs there instead) or ``"default"`` (the decode
+path's shared config). A file may hold a ``decode`` section and no launch configs (``"configs": {}``): the grouped
+GEMMs then take the default, as without the file.
 """
 
 from __future__ import annotations

@@ -150,7 +150,9 @@ def mma_tile(block_n: int, unroll: int, splits: int, finish: bool = False) -> De
 # Qwen3-30B-A3B NVFP4 at M = 1, 4, 16, 64). Where the two models share a bucket and disagree, GPT-OSS's pick but
 # at 0.05 (Qwen3's one token; GPT-OSS's 2 tokens had 56.8 us on s2 tiles); neighbours within 1% share a
 # bucket. ``finish`` acts for one token only. Bucket 0.1 (Qwen3's 2-3 tokens, GPT-OSS's 4-7) from session 15's
-# sweep of both (fp4_gemv_s15_bucket01_*.json): GEMM1 on 4 splits fills the GPU for Qwen3's narrower GEMMs.
+# sweep of both (fp4_gemv_s15_bucket01_*.json): GEMM1 on 4 splits fills the GPU for Qwen3's narrower GEMMs. A shape's
+# table may override a bucket by M (`decode_config`): the H200's Qwen3 and GPT-OSS MXFP4 / NVFP4 tables do for one
+# token, with tiles of session 23's sweep, 3-17% faster than bucket 0.0's / 0.05's in one process.
 DECODE_CONFIGS = {
     0.0: DecodeConfig(mma_tile(64, 2, 4, finish=True), mma_tile(64, 2, 4, finish=True)),
     0.05: DecodeConfig(mma_tile(32, 2, 4, finish=True), mma_tile(32, 2, 4, finish=True)),
@@ -183,10 +185,25 @@ def _bucket(configs: dict, key: float) -> DecodeConfig:
     return configs[max((k for k in configs if k <= key), default=min(configs))]
 
 
-def decode_config(rows_per_expert: float) -> DecodeConfig:
-    """MXFP4 / NVFP4 / MXFP8 weights' config for ``rows_per_expert`` = slots / local experts, with the FMA and
-    tensor-core tiles' config of that bucket as its fallback."""
-    return dataclasses.replace(_bucket(DECODE_CONFIGS, rows_per_expert),
+def _own_decode_config(num_tokens: int, table: ConfigTable | None) -> DecodeConfig | str | None:
+    """The shape's own choice for ``num_tokens``: its table's ``decode`` entry at or below it (config.py's docstring)
+    as a `DecodeConfig`, or ``"grouped"``; None where there is none or it is ``"default"``."""
+    entries = [(m, entry) for m, entry in (table.decode if table is not None else ()) if m <= num_tokens]
+    if not entries or entries[-1][1] == "default":
+        return None
+    entry = entries[-1][1]
+    return entry if entry == "grouped" else table_decode_config(entry)
+
+
+def decode_config(rows_per_expert: float, num_tokens: int = 0, table: ConfigTable | None = None) -> DecodeConfig | None:
+    """MXFP4 / NVFP4 / MXFP8 weights' config for ``rows_per_expert`` = slots / local experts: the shape's own where
+    its table has a ``decode`` entry at or below ``num_tokens``, None where that entry is ``"grouped"`` (the caller
+    runs the grouped GEMMs), else `DECODE_CONFIGS`' bucket; with the FMA and tensor-core tiles' config of the bucket
+    as its fallback."""
+    own = _own_decode_config(num_tokens, table)
+    if own == "grouped":
+        return None
+    return dataclasses.replace(own or _bucket(DECODE_CONFIGS, rows_per_expert),
                                fallback=_bucket(FALLBACK_DECODE_CONFIGS, rows_per_expert))
 
 
@@ -194,14 +211,10 @@ def fp8_decode_config(num_tokens: int, table: ConfigTable | None = None) -> Deco
     """fp8 W8A8's config (fp8_block, fp8_token) for ``num_tokens``: the shape's own where its table has a
     ``decode`` entry at or below ``num_tokens`` (config.py's docstring), None where that entry is ``"grouped"``
     (the caller runs the grouped GEMMs), else `FP8_DECODE_CONFIGS`'."""
-    entries = [(m, entry) for m, entry in (table.decode if table is not None else ()) if m <= num_tokens]
-    if entries:
-        entry = entries[-1][1]
-        if entry == "grouped":
-            return None
-        if entry != "default":
-            return table_decode_config(entry)
-    return _bucket(FP8_DECODE_CONFIGS, num_tokens)
+    own = _own_decode_config(num_tokens, table)
+    if own == "grouped":
+        return None
+    return own or _bucket(FP8_DECODE_CONFIGS, num_tokens)
 
 
 @functools.lru_cache(maxsize=None)
