@@ -3,8 +3,10 @@ alternately (round after round) as `moe bench` times the experts stage (its inpu
 timer), its output compared with the table's.
 
 Sides: ``table`` (what the table's ``decode`` section picks: its tiles, "grouped" or the shared config), ``shared``
-(the section unread: `decode.FP8_DECODE_CONFIGS`, or for the weight-only formats the bucket of `decode.DECODE_CONFIGS`)
-and ``grouped`` (the grouped GEMMs, no decode kernels)::
+(the section unread: `decode.FP8_DECODE_CONFIGS`, or for the weight-only formats the bucket of `decode.DECODE_CONFIGS`),
+``per_expert`` (the table's pick with ``finish`` off on its MMA and tensor-core tiles: from two tokens their programs
+take an expert's slots, as before session 24, rather than one slot each; `decode.DecodeConfig.per_slot`) and
+``grouped`` (the grouped GEMMs, no decode kernels)::
 
     python benchmarks/decode_tables_ab.py deepseek-v3-ep8-slice,qwen3-30b-a3b 2,4,5,6,7,8 [table,shared,grouped]
 
@@ -17,6 +19,7 @@ Writes ``$OUT/decode_tables_ab.json``: µs per side and round, per cell, and eac
 table's output relative to its largest value.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -30,10 +33,22 @@ from moe.experts.triton import TritonExperts
 from moe.presets import load_preset
 from moe.tools.bench import backend_calls, build_weights, make_inputs, time_calls
 
+
+
+def per_expert(config: decode.DecodeConfig | None) -> decode.DecodeConfig | None:
+    """``config`` with ``finish`` off on its MMA and tensor-core tiles (not `DecodeConfig.per_slot`)."""
+    if config is None:
+        return None
+    tiles = [dataclasses.replace(t, finish=t.finish and not (t.mma or t.dot)) for t in (config.gemm1, config.gemm2)]
+    return dataclasses.replace(config, gemm1=tiles[0], gemm2=tiles[1])
+
+
 # side: (fp8's choice by tokens, the weight-only formats' by rows per expert); None: the experts' own lookup
 SIDES = {
     "table": None,
     "shared": (lambda m, *table: decode.fp8_decode_config(m), lambda rows, *table: decode.decode_config(rows)),
+    "per_expert": (lambda m, *table: per_expert(decode.fp8_decode_config(m, *table)),
+                   lambda rows, *table: per_expert(decode.decode_config(rows, *table))),
     "grouped": (lambda m, *table: None, lambda rows, *table: None),
 }
 

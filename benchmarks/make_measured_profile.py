@@ -100,6 +100,9 @@ MACHINES = {
         "fp8_decode_s21_tables_bench_nvidia-h200.json": ("records", None),
         # session 23: the weight-only tables' one-token decode entries (Qwen3, GPT-OSS; MXFP4, NVFP4, bf16 beside)
         "fp4_gemv_s23_tables_bench_nvidia-h200.json": ("records", None),
+        # session 24: programs per slot for a few tokens, the tables' M = 2-3 entries (Qwen3, GPT-OSS; MXFP4, NVFP4,
+        # bf16 beside), M = 1-4
+        "fp4_gemv_s24_tables_bench_nvidia-h200.json": ("records", None),
     }, "measured on nvidia-h200 (2026-11-22 to 2026-12-02; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
        "benchmarks/flashinfer_bench.py / benchmarks/ep_all_to_all.py"),
     "nvidia-h100": Machine("h100", {

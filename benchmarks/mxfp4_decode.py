@@ -55,6 +55,10 @@ MMA_TILES = [(1, 4, 1), (2, 4, 1), (4, 4, 2), (8, 4, 2), (2, 2, 2), (4, 2, 2), (
              (1, 4, 2), (8, 1, 2), (4, 8, 2)]
 
 
+# MMA tiles that finish their own epilogue run a program per slot (`DecodeConfig.per_slot`): swept up to this M
+FINISH_TOKENS = 4
+
+
 def mma_tile(splits: int, warps: int, unroll: int = 1, finish: int = 0) -> DecodeTile:
     """`decode.mma_tile` in the ``--tiles`` order (``mma:splits:warps[:unroll[:finish]]``)."""
     return decode.mma_tile(16 * warps, unroll, splits, finish == 1)
@@ -109,8 +113,9 @@ def candidates(tokens: int, only: list[DecodeTile] | None = None, quant: str = "
                   for finish in (True, False)]
     # tensor-core tiles at every M, one token too: the swapped MMA pads activation rows, not weight rows
     tiles += [DecodeTile(n, k, s, 16, True, asm, w, st) for n, k, s, w, st, asm in DOT_TILES]
-    if quant in ("mxfp4", "nvfp4"):
-        tiles += [mma_tile(*t) for t in MMA_TILES]
+    if quant in ("mxfp4", "nvfp4"):  # up to FINISH_TOKENS also finishing (a program per slot, no epilogue launch)
+        finishes = (0, 1) if tokens <= FINISH_TOKENS else (0,)
+        tiles += [mma_tile(*t, finish) for t in MMA_TILES for finish in finishes]
     return tiles
 
 

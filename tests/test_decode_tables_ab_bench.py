@@ -60,7 +60,21 @@ def test_the_sides_decide_for_the_weight_only_formats_too():
         assert triton_experts.decode_config(0.0625, 1, table) == decode.decode_config(0.0625)
     with side("grouped"):
         assert triton_experts.decode_config(0.0625, 1, table) is None
+    with side("per_expert"):  # the table's tiles, finishing nowhere: their programs group by expert
+        config = triton_experts.decode_config(0.0625, 1, table)
+        assert config.gemm1 == decode.mma_tile(16, 1, 4) == config.gemm2 and not config.per_slot
+        assert config.fallback == decode.decode_config(0.0625).fallback  # FMA tiles keep theirs
+    assert own(0.0625, 1, table).per_slot
     assert triton_experts.decode_config is own
+
+
+def test_the_per_expert_side_keeps_fma_tiles_finishing():
+    """FMA tiles take one row per program at any M, so ``per_expert`` leaves their ``finish`` as it is."""
+    fma = decode.DecodeTile(32, 128, 4, 1, dot=False, finish=True)
+    dot = decode.DecodeTile(64, 128, 2, 16, dot=True, finish=True)
+    config = benchmark_script("decode_tables_ab").per_expert(decode.DecodeConfig(fma, dot))
+    assert config.gemm1 == fma and config.gemm2 == dataclasses.replace(dot, finish=False)
+    assert benchmark_script("decode_tables_ab").per_expert(None) is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU's check")
@@ -90,11 +104,11 @@ def test_time_sides_runs_each_side_on_the_bench_calls_and_compares_it_with_the_t
 
 
 def test_an_unknown_side_is_refused_naming_it():
-    with pytest.raises(ValueError, match="side must be one of table, shared, grouped .got 'fused'."):
+    with pytest.raises(ValueError, match="side must be one of table, shared, per_expert, grouped .got 'fused'."):
         with benchmark_script("decode_tables_ab").side("fused"):
             pass
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_tables_ab.py"
     done = subprocess.run([sys.executable, str(script), "qwen3-30b-a3b", "1", "table,fused"], capture_output=True,
                           text=True, timeout=300, cwd=script.parents[1], env={"PYTHONPATH": str(script.parents[1])})
     assert done.returncode != 0
-    assert "side must be one of table, shared, grouped (got 'fused')" in done.stderr
+    assert "side must be one of table, shared, per_expert, grouped (got 'fused')" in done.stderr

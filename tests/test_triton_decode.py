@@ -91,11 +91,15 @@ def test_decode_non_gated_without_bias(monkeypatch):
     check(make_problem("mxfp4", "relu2", E=8, k=2, H=64, I=96), 3, DecodeConfig(DOT_SPLIT, FMA), monkeypatch)
 
 
-def check_finishing(p, tile, num_tokens, want_epilogues, monkeypatch):
+ALIGN_KERNELS = {"align_fused_kernel", "rank_kernel", "place_kernel"}
+
+
+def check_finishing(p, tile, num_tokens, want_epilogues, monkeypatch, hot=False):
     """Under ``tile`` with ``finish=True``: the epilogue launches that run are ``want_epilogues`` (the last
     program to store a row's partial sums applies the rest, `_decode._finish_if_last`), the tickets are all 0
     afterwards, and the output has the same bits as with both epilogue launches (the weights without
-    tickets, and ``tile`` itself, finish=False)."""
+    tickets, and ``tile`` itself, finish=False); returns the kernels the finishing run and the finish=False one
+    launched."""
     from moe.formats import DispatchShape
     from moe.testing.triton_launches import record_launches
     from moe.workspace import WorkspaceManager
@@ -109,7 +113,7 @@ def check_finishing(p, tile, num_tokens, want_epilogues, monkeypatch):
     assert prepared.decode_tickets is not None and prepared.decode_tickets.dtype == torch.int32
     x = torch.randn(num_tokens, p.hidden_size).to(torch.float16)
     dispatched = Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=x, scale=None, fmt="none"),
-                            routed(num_tokens, p))
+                            routed(num_tokens, p, hot))
 
     def run(weights):
         shapes = experts.workspace_shapes(DispatchShape(dispatched.format, dispatched.num_rows))
@@ -126,7 +130,10 @@ def check_finishing(p, tile, num_tokens, want_epilogues, monkeypatch):
     assert torch.equal(finished, launched)
     for lookup in ("decode_config", "fp8_decode_config"):
         monkeypatch.setattr(f"moe.experts.triton.{lookup}", lambda m, *table: DecodeConfig(tile, tile))  # finish=False
-    assert epilogues <= run(prepared)[1]
+    unfinished, plain = run(prepared)
+    assert epilogues <= plain
+    assert torch.equal(unfinished, finished)
+    return kernels, plain
 
 
 # 3 tokens: 12 distinct-per-token slots on 8 experts put >= 2 on some expert (a program group of several rows)
@@ -140,14 +147,36 @@ def test_fma_tiles_finish_their_own_epilogue(num_tokens, expert_map, monkeypatch
 
 
 @pytest.mark.parametrize("quant", ["mxfp4", "fp8_block"])
-@pytest.mark.parametrize("num_tokens", [1, 2])
-def test_tensor_core_tiles_finish_for_one_token(quant, num_tokens, monkeypatch):
-    """Split-K tensor-core tiles (16 rows) finish their own epilogue for one token, whose programs each take
-    one slot; from two tokens a program takes an expert's slots and both epilogue launches run."""
+@pytest.mark.parametrize("num_tokens,hot", [(1, False), (2, False), (3, True)], ids=["one-token", "two", "shared"])
+def test_tensor_core_tiles_that_finish_take_a_program_per_slot(quant, num_tokens, hot, monkeypatch):
+    """Split-K tensor-core tiles (16 rows) that finish their own epilogue run a program per slot at any M
+    (`DecodeConfig.per_slot`): no alignment launch and no epilogue launch, the same bits as the programs per
+    expert the same tiles run without ``finish`` (alignment, both epilogue launches) -- ``shared``: 3 tokens on the
+    same 4 experts, each expert's weights read by 3 programs."""
     p = make_problem(quant, "swiglu_oai", E=8, k=4, H=256 if quant == "fp8_block" else 64, I=96, bias=True,
                      max_tokens=64)
-    want = set() if num_tokens == 1 else {"activate_splits_kernel", "combine_splits_kernel"}
-    check_finishing(p, DOT_SPLIT, num_tokens, want, monkeypatch)
+    finished, plain = check_finishing(p, DOT_SPLIT, num_tokens, set(), monkeypatch, hot)
+    assert not finished & ALIGN_KERNELS
+    assert bool(plain & ALIGN_KERNELS) is (num_tokens > 1)  # one token never aligns
+
+
+def test_a_program_per_slot_with_an_expert_map(monkeypatch):
+    """Finishing tensor-core tiles with an expert map: GEMM1 finishes per slot, GEMM2's combine launch still runs
+    (a token may have no expert here), and slots on other ranks' experts are skipped."""
+    p = make_problem("mxfp4", "swiglu_oai", E=8, k=4, H=64, I=96, bias=True, max_tokens=64,
+                     expert_map=(-1, 0, 1, -1, 2, 3, -1, 4))
+    finished, _ = check_finishing(p, DOT_SPLIT, 3, {"combine_splits_kernel"}, monkeypatch)
+    assert not finished & ALIGN_KERNELS
+    check(p, 3, DecodeConfig(replace(DOT_SPLIT, finish=True), replace(DOT_SPLIT, finish=True)), monkeypatch)
+
+
+def test_per_slot_follows_the_finishing_tiles():
+    """`DecodeConfig.per_slot`: a finishing MMA or tensor-core tile on either GEMM; FMA tiles take a row per program
+    anyway and leave the routing grouped."""
+    fma = replace(FMA, finish=True)
+    assert DecodeConfig(replace(DOT_SPLIT, finish=True), DOT).per_slot
+    assert DecodeConfig(DOT, decode.mma_tile(32, 2, 4, finish=True)).per_slot
+    assert not DecodeConfig(fma, fma).per_slot and not DecodeConfig(DOT_SPLIT, DOT).per_slot
 
 
 def test_decode_tile_rejects_bad_values():
@@ -196,11 +225,12 @@ def test_weight_only_decode_path_taken_up_to_512_slots(monkeypatch):
 @pytest.mark.parametrize("rows_per_expert", [0.03125, 0.0625, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0])
 def test_decode_config_by_rows_per_expert(rows_per_expert):
     """GPT-OSS-120B (k/E = 1/32) at M = 1 .. 64 and Qwen3-30B-A3B (1/16) at M = 1 .. 64: the buckets the H200
-    sweeps picked -- MMA-fragment tiles everywhere, finishing their own split epilogue for one token -- each with
-    the FMA / tensor-core config of its bucket as the fallback (FMA tiles below one row per expert)."""
+    sweeps picked -- MMA-fragment tiles everywhere, finishing their own split epilogue with programs per slot below
+    0.25 rows per expert (GPT-OSS up to 7 tokens, Qwen3 up to 3), where the launches weigh -- each with the FMA /
+    tensor-core config of its bucket as the fallback (FMA tiles below one row per expert)."""
     config = decode.decode_config(rows_per_expert)
     assert config.gemm1.mma and config.gemm2.mma
-    assert config.gemm1.finish is config.gemm2.finish is (rows_per_expert < 0.1)  # one token, where launches weigh
+    assert config.gemm1.finish is config.gemm2.finish is config.per_slot is (rows_per_expert < 0.25)
     fallback = config.fallback
     assert fallback is not None and not fallback.uses_mma and fallback.fallback is None
     assert fallback.gemm1.dot is (rows_per_expert >= 1.0)
@@ -210,8 +240,9 @@ def test_decode_config_by_rows_per_expert(rows_per_expert):
 def test_a_shapes_own_weight_only_decode_entries_come_first():
     """A table's ``decode`` entries (config.py) serve the weight-only formats as they serve fp8: the shape's own tiles
     at and above their M, with the bucket's FMA / tensor-core fallback attached; ``"default"`` the bucket's config;
-    ``"grouped"`` none (the grouped GEMMs run). The H200's packaged tables hold one-token entries for Qwen3-30B-A3B
-    and GPT-OSS-120B, MXFP4 and NVFP4 (benchmarks/results/fp4_gemv_decode_nvidia-h200.md, session 23)."""
+    ``"grouped"`` none (the grouped GEMMs run). The H200's packaged tables hold entries for Qwen3-30B-A3B and
+    GPT-OSS-120B, MXFP4 and NVFP4, at one token (session 23) and, with programs per slot, at two (and Qwen3's at three;
+    benchmarks/results/fp4_gemv_decode_nvidia-h200.md, session 24), then the buckets."""
     import dataclasses
 
     from moe.experts._triton.config import ConfigKey, ConfigTable
@@ -226,11 +257,22 @@ def test_a_shapes_own_weight_only_decode_entries_come_first():
     assert decode.decode_config(0.125, 2, table) == decode.decode_config(0.125)
     assert decode.decode_config(0.1875, 3, table) is None
     for shape in ((128, 8, 2048, 768, "silu"), (128, 4, 2880, 2880, "swiglu_oai")):
+        k = shape[1]
+        own_up_to = 3 if k == 8 else 2  # the last M with the shape's own tiles
         for quant in ("mxfp4", "nvfp4"):
             packaged = ConfigTable.load(ConfigKey(*shape, quant, "standard", "NVIDIA H200"))
-            config = decode.decode_config(0.05, 1, packaged)
-            assert config.gemm1.mma and config.gemm1.finish and config.gemm2.mma and config.gemm2.finish, shape
-            assert decode.decode_config(0.1, 2, packaged) == decode.decode_config(0.1), shape
+            for tokens in range(1, own_up_to + 2):
+                rows = tokens * k / 128
+                config = decode.decode_config(rows, tokens, packaged)
+                assert config.gemm1.mma and config.gemm2.mma, (shape, quant, tokens)
+                assert config.per_slot is (tokens <= own_up_to or rows < 0.25), (shape, quant, tokens)
+                assert config.fallback == decode.decode_config(rows).fallback, (shape, quant, tokens)
+                entry = dict(packaged.decode)[min(tokens, own_up_to + 1)]
+                if tokens > own_up_to:
+                    assert entry == "default" and config == decode.decode_config(rows), (shape, quant, tokens)
+                else:
+                    want = decode.table_decode_config(entry)
+                    assert (config.gemm1, config.gemm2) == (want.gemm1, want.gemm2), (shape, quant, tokens)
 
 
 def test_mma_configs_fall_back_where_the_mma_tiles_cannot_run(monkeypatch):

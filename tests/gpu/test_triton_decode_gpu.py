@@ -287,8 +287,9 @@ def weight_only_reference(p, d, weights):
 def test_mma_tiles_match_reference(quant, tokens, tiles, monkeypatch):
     """The MMA-fragment tiles (`_decode_mma`): GPT-OSS-120B's MXFP4 shape and a Qwen3-like NVFP4 one (8 of 128
     experts: at 33 and 64 tokens some experts take more than the MMA's 8 tokens, some none), against the
-    reference; the NVFP4 block scales over e4m3's range. ``finish`` tiles apply the split epilogue themselves
-    for one token (K steps of 64 loaded 4 at a time there, past the splits' ends too) and launch it from 3."""
+    reference; the NVFP4 block scales over e4m3's range. ``finish`` tiles (K steps of 64 loaded 4 at a time, past
+    the splits' ends too) run a program per slot at every M and apply the split epilogue themselves: from 33 tokens
+    several programs read one expert's weights."""
     monkeypatch.setattr("moe.experts.triton.decode_config", lambda m, *table: DecodeConfig(*tiles))
     if quant == "mxfp4":
         p = gpt_oss(tokens)
@@ -311,34 +312,42 @@ def test_mma_tiles_match_reference(quant, tokens, tiles, monkeypatch):
 @pytest.mark.parametrize("quant", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("shape", ["qwen3", "gpt-oss"])
 def test_a_shapes_own_weight_only_decode_entries_match_the_grouped_gemm(shape, quant):
-    """The one-token ``decode`` entries of this GPU's weight-only tables (the H200's: Qwen3-30B-A3B and GPT-OSS-120B,
-    MXFP4 and NVFP4): against the grouped GEMM and the reference, and CUDA-graph replay equal to eager."""
-    if shape == "qwen3":
-        p = problem(quant, "silu", E=128, k=8, H=2048, I=768, max_tokens=1)
-    else:
-        p = problem(quant, "swiglu_oai", E=128, k=4, H=2880, I=2880, bias=True, max_tokens=1)
+    """Every tiles entry of this GPU's weight-only tables' ``decode`` sections (the H200's: Qwen3-30B-A3B and
+    GPT-OSS-120B, MXFP4 and NVFP4, at one token and, programs per slot, two and three): at its M, against the
+    grouped GEMM and the reference, and CUDA-graph replay equal to eager."""
+    def shaped(tokens):
+        if shape == "qwen3":
+            return problem(quant, "silu", E=128, k=8, H=2048, I=768, max_tokens=tokens)
+        return problem(quant, "swiglu_oai", E=128, k=4, H=2880, I=2880, bias=True, max_tokens=tokens)
+
+    p = shaped(3)
     weights = weights_for(p, spread=(0.125, 128.0)) if quant == "nvfp4" else weights_for(p)
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(weights)
-    if not [m for m, _ in prepared.configs.decode if m <= 1]:
-        pytest.skip(f"no decode entry at M = 1 in this GPU's table ({prepared.configs.key.device})")
-    config = decode.decode_config(p.top_k / p.local_num_experts, 1, prepared.configs)
-    d = dispatched_for(p, 1)
-    assert decode.mma_ready(prepared, d.x.data) and config.uses_mma
-    out = run(experts, d, prepared).float().clone()
-    context = f"{quant} {shape} table decode entry M=1 {config}"
-    if quant == "nvfp4":
-        assert_close_moe(out, weight_only_reference(p, d, weights), "bf16", context=context + " vs reference")
-    else:
-        assert_close_moe(out, reference(p, d.x.data, d.topk, weights), regime_for(p), context=context + " vs reference")
-    assert_replay_equals_eager_without_sync(experts, prepared, p, 1)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("moe.experts.triton.uses_decode", lambda *a: False)
-        grouped = run(experts, d, prepared).float()
-    assert_close_moe(out, grouped, "bf16", context=context + " vs grouped GEMM")
+    entries = [m for m, entry in prepared.configs.decode if entry not in ("default", "grouped") and m <= 3]
+    if not entries:
+        pytest.skip(f"no decode tiles entry at M <= 3 in this GPU's table ({prepared.configs.key.device})")
+    for tokens in entries:
+        config = decode.decode_config(tokens * p.top_k / p.local_num_experts, tokens, prepared.configs)
+        d = dispatched_for(p, tokens)
+        assert decode.mma_ready(prepared, d.x.data) and config.uses_mma
+        assert config.per_slot  # the entries' tiles finish their own epilogue
+        out = run(experts, d, prepared).float().clone()
+        context = f"{quant} {shape} table decode entry M={tokens} {config}"
+        if quant == "nvfp4":
+            assert_close_moe(out, weight_only_reference(p, d, weights), "bf16", context=context + " vs reference")
+        else:
+            assert_close_moe(out, reference(p, d.x.data, d.topk, weights), regime_for(p),
+                             context=context + " vs reference")
+        assert_replay_equals_eager_without_sync(experts, prepared, p, tokens)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("moe.experts.triton.uses_decode", lambda *a: False)
+            grouped = run(experts, d, prepared).float()
+        assert_close_moe(out, grouped, "bf16", context=context + " vs grouped GEMM")
 
 
-@pytest.mark.parametrize("tokens, tile", [(16, MMA), (1, MMA_FINISH)], ids=["splits", "finish"])
+@pytest.mark.parametrize("tokens, tile", [(16, MMA), (1, MMA_FINISH), (3, MMA_FINISH)],
+                         ids=["splits", "finish", "finish-per-slot"])
 def test_mma_tiles_cuda_graph_replay_equals_eager(tokens, tile, monkeypatch):
     monkeypatch.setattr("moe.experts.triton.decode_config", lambda m, *table: DecodeConfig(tile, tile))
     p = gpt_oss(tokens)

@@ -12,7 +12,8 @@ partials does the launch's work for that row and N tile (`_finish_if_last`), and
 Expert groups (``GROUPED``): the alignment with BLOCK_M = 1 lists the slots by expert without
 padding; program g takes the g-th expert that has any slot (an in-register scan of the counts), so
 the grid (``min(slots, E)`` groups) depends on M only. Without grouping, program g takes slot g
-(one token: its k experts are distinct, and the alignment launch is saved).
+(one token, whose k experts are distinct, or tiles that finish their own epilogue: the alignment launch is
+saved, and an expert that several slots share is read once per slot).
 
 Three program kinds: MMA-fragment tiles (``MMA``, `_decode_mma.mma_program`: fp4 weights pre-shuffled into the
 ``mma.sync`` register order, 8 tokens a pass; they win at every M where they run), tensor-core tiles of 16 rows
@@ -371,7 +372,7 @@ def decode_gemm_kernel(
                     SPLITS, SCALES, NVFP4_ASM_UNBIAS, BLOCK_N, BLOCK_K // 64)
         if PDL == _PDL_FIRST:
             gdc_launch_dependents()
-        if FINISH != 0 and not GROUPED:  # one token: the program's one slot is `start`
+        if FINISH != 0 and not GROUPED:  # a program per slot: its one slot is `start`
             _finish_if_last(start.to(tl.int64), expert.to(tl.int64), tickets_ptr, part_ptr, bias_ptr, topk_w_ptr,
                             ids_ptr, map_ptr, out_ptr, N, stride_ps, stride_pm, stride_be, stride_om, alpha, beta,
                             limit, GATED, ACTIVATION, HAS_BIAS, FINISH, TOP_K, SPLITS, BLOCK_N)
@@ -438,7 +439,7 @@ def decode_gemm_kernel(
             if FINISH != 0:  # the last program to arrive at the row's epilogue applies it
                 if GROUPED:  # one-row FMA tiles: the chunk's one slot
                     slot = sum_(slots, 0)
-                else:  # one token (any tile): the program's one slot
+                else:  # a program per slot (any tile): its one slot
                     slot = start.to(tl.int64)
                 _finish_if_last(slot, expert, tickets_ptr, part_ptr, bias_ptr, topk_w_ptr, ids_ptr,
                                 map_ptr, out_ptr, N, stride_ps, stride_pm, stride_be, stride_om, alpha, beta, limit,

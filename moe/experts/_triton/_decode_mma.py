@@ -13,8 +13,8 @@ codes pre-placed for it; exact where `decode.packed_dequantization` holds) and
 runs the four MMAs of the 64-column K step, accumulating token ``2t, 2t + 1``'s sums of rows g and g + 8.
 Its activations are token g's 16 contiguous bytes per group, the K order both operands agree on. ``UNROLL``
 steps' loads go out before their MMAs (Triton does not pipeline loads it cannot see). The epilogue is the
-other kinds': bias and activation with one split, partial sums otherwise (for one token the caller may
-finish them in the kernel, `_decode._finish_if_last`).
+other kinds': bias and activation with one split, partial sums otherwise (with a program per slot the caller
+may finish them in the kernel, `_decode._finish_if_last`).
 """
 
 import triton

@@ -6,7 +6,7 @@ the time is the bytes of the experts hit over the memory bandwidth. `decode_expe
 streaming and reads each weight byte once per expert hit::
 
     align     slots listed by expert, unpadded (BLOCK_M = 1; skipped for one token, whose k
-              experts are distinct: one program group per slot)
+              experts are distinct, and where a finishing tile asks for it: one program group per slot)
     gemm1     grid (N tiles x K splits, expert groups): fp32 partials [splits, slots, 2I]
               (one split: bias + activation fused, the intermediate written directly)
               fp8: x quantized per (row, 128-group) or per row inside the GEMM, no quantize launch
@@ -21,8 +21,8 @@ reproducible (the experts declare ``deterministic``), and the partials are tiny 
 by the GEMM's own last program per output row and N tile: a ticket (an int32 counter per row and tile,
 `TritonWeights.decode_tickets`) counts the programs that stored their partials, and the one that takes
 the last ticket sums them in the same order and resets it. That saves both epilogue launches where they
-weigh (one token); the fence each ticket costs outweighs them where many programs run. For one token on
-SM90+ gemm2 is also a programmatic dependent launch after gemm1 (`pdl_roles`). Everything stays on the GPU,
+weigh (a few tokens); the fence each ticket costs outweighs them where many programs run. Where the programs
+take a slot each, on SM90+ gemm2 is also a programmatic dependent launch after gemm1 (`pdl_roles`). Everything stays on the GPU,
 shapes depend on M only: CUDA-graph capturable.
 """
 
@@ -67,8 +67,10 @@ class DecodeTile:
     unused). ``finish``: the last program to store a row's partial sums applies the split epilogue
     (`_decode._finish_if_last`) instead of an epilogue launch -- worth it where the launches dominate
     (GPT-OSS-120B MXFP4 at M = 1 on an H200: 43.0 against 45.3 us, one FMA tile), not where many programs
-    each pay the ticket's fence (M = 16: 464 against 414). FMA tiles (one row) finish at any M; MMA and
-    tensor-core tiles, whose programs take an expert's slots, for one token only (a program per slot).
+    each pay the ticket's fence (M = 16: 464 against 414). FMA tiles (one row) finish at any M. MMA and
+    tensor-core tiles, whose programs otherwise take all of an expert's slots, run a program per slot where either
+    GEMM's tile finishes (`DecodeConfig.per_slot`): no alignment launch, and an expert that several slots share is
+    read once per slot -- a choice for a few tokens (one token's k experts are distinct: always a program per slot).
     ``mma`` (MXFP4 / NVFP4 x bfloat16 where `mma_ready` holds): the MMA-fragment program (`_decode_mma`), 16 weight
     rows per warp (``block_n = 16 * num_warps``), 8 tokens per pass (``block_m = 8``), K steps of 64 loaded
     ``block_k / 64`` at a time; ``dot`` off, ``asm`` implied (`mma_tile` builds one)."""
@@ -102,7 +104,7 @@ class DecodeTile:
             raise MoEConfigError(f"dot=True needs block_m >= 16 (got {self.block_m}); use dot=False for fewer rows")
         if self.finish and not self.dot and self.block_m != 1:
             raise MoEConfigError(f"finish=True FMA tiles take one row at a time: block_m=1 (got {self.block_m}); "
-                                 "use dot=True for a 16-row tile that finishes for one token")
+                                 "use dot=True for a 16-row tile that finishes with a program per slot")
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,12 @@ class DecodeConfig:
     @property
     def uses_mma(self) -> bool:
         return self.gemm1.mma or self.gemm2.mma
+
+    @property
+    def per_slot(self) -> bool:
+        """Whether the GEMMs run a program group per slot at any M rather than one per expert hit (`_routing`): where
+        an MMA or tensor-core tile finishes its own split epilogue, which needs one slot per program."""
+        return any(t.finish and (t.mma or t.dot) for t in (self.gemm1, self.gemm2))
 
 
 # MXFP4 / NVFP4 / MXFP8 weight-only where the MMA tiles cannot run (`DecodeConfig.fallback`), by the slots per
@@ -149,14 +157,18 @@ def mma_tile(block_n: int, unroll: int, splits: int, finish: bool = False) -> De
 # benchmarks/results/fp4_gemv_decode_nvidia-h200.md; GPT-OSS-120B MXFP4 at M = 1, 2, 4, 8, 16, 32, 64 and
 # Qwen3-30B-A3B NVFP4 at M = 1, 4, 16, 64). Where the two models share a bucket and disagree, GPT-OSS's pick but
 # at 0.05 (Qwen3's one token; GPT-OSS's 2 tokens had 56.8 us on s2 tiles); neighbours within 1% share a
-# bucket. ``finish`` acts for one token only. Bucket 0.1 (Qwen3's 2-3 tokens, GPT-OSS's 4-7) from session 15's
-# sweep of both (fp4_gemv_s15_bucket01_*.json): GEMM1 on 4 splits fills the GPU for Qwen3's narrower GEMMs. A shape's
-# table may override a bucket by M (`decode_config`): the H200's Qwen3 and GPT-OSS MXFP4 / NVFP4 tables do for one
-# token, with tiles of session 23's sweep, 3-17% faster than bucket 0.0's / 0.05's in one process.
+# bucket. Bucket 0.1 (Qwen3's 2-3 tokens, GPT-OSS's 4-7) from session 15's sweep of both
+# (fp4_gemv_s15_bucket01_*.json): GEMM1 on 4 splits fills the GPU for Qwen3's narrower GEMMs. Below 0.25 rows per
+# expert the tiles finish their own epilogue, so the programs take a slot each (`DecodeConfig.per_slot`): no
+# alignment launch, no epilogue launch. On an H200 that was faster than programs per expert wherever session 24
+# timed both: in one process alternating, GPT-OSS's bucket 0.05 at M = 2 and 3 by 2-12%; in its sweeps, bucket
+# 0.1's tiles at GPT-OSS M = 4 and 6 and Qwen3 M = 2 and 3 by 7-32% (against the non-finishing tiles timed there). A
+# shape's table may override a bucket by M (`decode_config`): the H200's Qwen3 and GPT-OSS MXFP4 / NVFP4 tables do for
+# one token (session 23's tiles) and, with programs per slot, two (Qwen3: and three; session 24's).
 DECODE_CONFIGS = {
     0.0: DecodeConfig(mma_tile(64, 2, 4, finish=True), mma_tile(64, 2, 4, finish=True)),
     0.05: DecodeConfig(mma_tile(32, 2, 4, finish=True), mma_tile(32, 2, 4, finish=True)),
-    0.1: DecodeConfig(mma_tile(64, 1, 4), mma_tile(64, 2, 2)),
+    0.1: DecodeConfig(mma_tile(64, 1, 4, finish=True), mma_tile(64, 2, 2, finish=True)),
     0.25: DecodeConfig(mma_tile(32, 2, 2), mma_tile(32, 2, 2)),
     1.0: DecodeConfig(mma_tile(32, 2, 2), mma_tile(64, 2, 1)),
     2.0: DecodeConfig(mma_tile(64, 2, 1), mma_tile(64, 2, 1)),
@@ -311,10 +323,12 @@ class _Routing:
     num_local: int
 
 
-def _routing(ids: torch.Tensor, weights: TritonWeights, num_local: int, workspace) -> _Routing:
+def _routing(ids: torch.Tensor, weights: TritonWeights, num_local: int, workspace, per_slot: bool = False) -> _Routing:
+    """A program group per slot (no alignment launch) for one token, whose k experts are distinct, or where
+    ``per_slot`` (`DecodeConfig.per_slot`); else a group per expert hit, from the alignment's lists."""
     flat = ids.reshape(-1)
     tokens, slots = ids.shape[0], flat.numel()
-    if tokens == 1:  # one token's experts are distinct: a group per slot, no alignment launch
+    if tokens == 1 or per_slot:
         return _Routing(flat, weights.expert_map, flat, flat, flat, slots, False, num_local)
     layout = align_block_size(ids, weights.expert_map, num_local, 1, workspace)
     return _Routing(flat, weights.expert_map, layout.expert_counts, layout.expert_ends, layout.sorted_slots,
@@ -324,22 +338,22 @@ def _routing(ids: torch.Tensor, weights: TritonWeights, num_local: int, workspac
 def _finishes(tile: DecodeTile, routing: _Routing, rows: int, n_out: int, tickets: torch.Tensor | None) -> bool:
     """Whether a GEMM of ``tile`` applies its split epilogue itself (`_decode._finish_if_last`): a ``finish``
     tile whose programs take one slot each (the ticket is a scalar atomic: FMA tiles always, MMA and tensor-core
-    tiles for one token) and a ticket for each of ``rows`` x its N tiles."""
+    tiles where the routing is per slot) and a ticket for each of ``rows`` x its N tiles."""
     one_slot = not (tile.mma or tile.dot) or not routing.grouped
     return tile.finish and one_slot and tickets is not None and rows * cdiv(n_out, tile.block_n) <= tickets.numel()
 
 
-def pdl_roles(x: torch.Tensor) -> tuple[int, int]:
+def pdl_roles(x: torch.Tensor, per_slot: bool = False) -> tuple[int, int]:
     """The two decode GEMMs' parts in a programmatic dependent launch (`_decode.PDL_FIRST`, `PDL_SECOND`) for
-    ``x``: for one token on SM90+, GEMM2 may launch once every GEMM1 program is past its K loop, and its programs
+    ``x``: for one token, or programs per slot (``per_slot``, `DecodeConfig.per_slot`), on SM90+, GEMM2 may launch once every GEMM1 program is past its K loop, and its programs
     wait for GEMM1 to end before they start, so no launch gap separates the two. On an H200 that took fp8_block at
     M = 1 from 21.68 to 21.12 us (Qwen3-30B-A3B) and 44.21 to 42.32 (GPT-OSS-120B), NVFP4 Qwen3 from 20.37 to
     19.58; at M = 4 and 16 it was within noise (-0.2 to +1.0%), and GEMM2's programs taking free SMs from GEMM1's
     start and asking L2 for their weights meanwhile was slower everywhere (up to 17% at M = 16;
-    benchmarks/results/fp8_decode_nvidia-h200.md). Elsewhere (more tokens, older GPUs, Triton before 3.4, the CPU
-    interpreter) both run as plain launches."""
+    benchmarks/results/fp8_decode_nvidia-h200.md). Elsewhere (groups per expert, older GPUs, Triton before 3.4, the
+    CPU interpreter) both run as plain launches."""
     _decode = kernels("decode")
-    if _decode.HAS_PDL and x.shape[0] == 1 and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0):
+    if _decode.HAS_PDL and (x.shape[0] == 1 or per_slot) and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0):
         return _decode.PDL_FIRST, _decode.PDL_SECOND
     return _decode.PDL_NONE, _decode.PDL_NONE
 
@@ -443,8 +457,8 @@ def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     w13, w2 = weights.w13, weights.w2
     if config.uses_mma and config.fallback is not None and not mma_ready(weights, x):
         config = config.fallback
-    routing = _routing(topk_ids, weights, num_local, workspace)
-    pdl1, pdl2 = pdl_roles(x)
+    routing = _routing(topk_ids, weights, num_local, workspace, config.per_slot)
+    pdl1, pdl2 = pdl_roles(x, config.per_slot)
     inter = workspace["inter"][:slots]
     part1 = workspace["decode_part1"][: config.gemm1.splits, :slots]
     part2 = workspace["decode_part2"][: config.gemm2.splits, :slots]
