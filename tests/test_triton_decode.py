@@ -188,7 +188,7 @@ def test_decode_tile_rejects_bad_values():
         DecodeTile(block_m=4, dot=True)
     with pytest.raises(MoEConfigError, match=r"finish=True FMA tiles take one row at a time: block_m=1 \(got 2\)"):
         DecodeTile(block_m=2, dot=False, finish=True)
-    assert DecodeTile(block_m=16, dot=True, finish=True).finish  # tensor-core tiles finish for one token
+    assert DecodeTile(block_m=16, dot=True, finish=True).finish  # tensor-core tiles finish with a program per slot
 
 
 @pytest.mark.parametrize("quant", ["mxfp4", "nvfp4", "mxfp8"])

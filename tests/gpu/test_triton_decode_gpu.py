@@ -201,7 +201,7 @@ def test_nvfp4_decode_cuda_graph_replay_equals_eager(tokens):
 
 FP8_FMA = DecodeTile(32, 64, 2, 4, dot=False, asm=False)
 FP8_DOT = DecodeTile(64, 128, 2, 16, dot=True, asm=False)
-FP8_DOT_FINISH = replace(FP8_DOT, splits=4, finish=True)  # one token: no epilogue launch; more: both launches
+FP8_DOT_FINISH = replace(FP8_DOT, splits=4, finish=True)  # a program per slot at any M, no epilogue launch
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 16, 32])  # 32 x k = 8: DECODE_MAX_SLOTS, the decode path's last M

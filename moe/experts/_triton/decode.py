@@ -21,9 +21,9 @@ reproducible (the experts declare ``deterministic``), and the partials are tiny 
 by the GEMM's own last program per output row and N tile: a ticket (an int32 counter per row and tile,
 `TritonWeights.decode_tickets`) counts the programs that stored their partials, and the one that takes
 the last ticket sums them in the same order and resets it. That saves both epilogue launches where they
-weigh (a few tokens); the fence each ticket costs outweighs them where many programs run. Where the programs
-take a slot each, on SM90+ gemm2 is also a programmatic dependent launch after gemm1 (`pdl_roles`). Everything stays on the GPU,
-shapes depend on M only: CUDA-graph capturable.
+weigh (a few tokens); the fence each ticket costs outweighs them where many programs run. Where the
+programs take a slot each, on SM90+ gemm2 is also a programmatic dependent launch after gemm1 (`pdl_roles`).
+Everything stays on the GPU, shapes depend on M only: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -345,15 +345,17 @@ def _finishes(tile: DecodeTile, routing: _Routing, rows: int, n_out: int, ticket
 
 def pdl_roles(x: torch.Tensor, per_slot: bool = False) -> tuple[int, int]:
     """The two decode GEMMs' parts in a programmatic dependent launch (`_decode.PDL_FIRST`, `PDL_SECOND`) for
-    ``x``: for one token, or programs per slot (``per_slot``, `DecodeConfig.per_slot`), on SM90+, GEMM2 may launch once every GEMM1 program is past its K loop, and its programs
-    wait for GEMM1 to end before they start, so no launch gap separates the two. On an H200 that took fp8_block at
+    ``x``: for one token, or programs per slot (``per_slot``, `DecodeConfig.per_slot`), on SM90+, GEMM2 may launch
+    once every GEMM1 program is past its K loop, and its programs wait for GEMM1 to end before they start, so no
+    launch gap separates the two. On an H200 that took fp8_block at
     M = 1 from 21.68 to 21.12 us (Qwen3-30B-A3B) and 44.21 to 42.32 (GPT-OSS-120B), NVFP4 Qwen3 from 20.37 to
     19.58; at M = 4 and 16 it was within noise (-0.2 to +1.0%), and GEMM2's programs taking free SMs from GEMM1's
     start and asking L2 for their weights meanwhile was slower everywhere (up to 17% at M = 16;
     benchmarks/results/fp8_decode_nvidia-h200.md). Elsewhere (groups per expert, older GPUs, Triton before 3.4, the
     CPU interpreter) both run as plain launches."""
     _decode = kernels("decode")
-    if _decode.HAS_PDL and (x.shape[0] == 1 or per_slot) and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0):
+    one_slot = x.shape[0] == 1 or per_slot
+    if _decode.HAS_PDL and one_slot and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0):
         return _decode.PDL_FIRST, _decode.PDL_SECOND
     return _decode.PDL_NONE, _decode.PDL_NONE
 
