@@ -160,9 +160,10 @@ def mma_tile(block_n: int, unroll: int, splits: int, finish: bool = False) -> De
 # bucket. Bucket 0.1 (Qwen3's 2-3 tokens, GPT-OSS's 4-7) from session 15's sweep of both
 # (fp4_gemv_s15_bucket01_*.json): GEMM1 on 4 splits fills the GPU for Qwen3's narrower GEMMs. Below 0.25 rows per
 # expert the tiles finish their own epilogue, so the programs take a slot each (`DecodeConfig.per_slot`): no
-# alignment launch, no epilogue launch. On an H200 that was faster than programs per expert wherever session 24
-# timed both: in one process alternating, GPT-OSS's bucket 0.05 at M = 2 and 3 by 2-12%; in its sweeps, bucket
-# 0.1's tiles at GPT-OSS M = 4 and 6 and Qwen3 M = 2 and 3 by 7-32% (against the non-finishing tiles timed there). A
+# alignment launch, no epilogue launch. On an H200 (session 24) that took less time than the same tiles per expert
+# in one process, alternating: GPT-OSS's bucket 0.05 at M = 2 and 3 by 2-12%, bucket 0.1 at M = 4 and 6 by 5-11% (and
+# in the sweeps, bucket 0.1's tiles at Qwen3 M = 2 and 3 by 26-32%). Bucket 0.25 finishing won at Qwen3 M = 4-6 but
+# lost at GPT-OSS M = 8-16 (4-24%) and Qwen3 M = 8-12, where more slots share experts: it stays per expert. A
 # shape's table may override a bucket by M (`decode_config`): the H200's Qwen3 and GPT-OSS MXFP4 / NVFP4 tables do for
 # one token (session 23's tiles) and, with programs per slot, two (Qwen3: and three; session 24's).
 DECODE_CONFIGS = {
