@@ -34,12 +34,11 @@ from moe.presets import load_preset
 from moe.tools.bench import backend_calls, build_weights, make_inputs, time_calls
 
 
-
 def per_expert(config: decode.DecodeConfig | None) -> decode.DecodeConfig | None:
     """``config`` with ``finish`` off on its MMA and tensor-core tiles (not `DecodeConfig.per_slot`)."""
     if config is None:
         return None
-    tiles = [dataclasses.replace(t, finish=t.finish and not (t.mma or t.dot)) for t in (config.gemm1, config.gemm2)]
+    tiles = [dataclasses.replace(t, finish=t.finish and not t.takes_expert_slots) for t in (config.gemm1, config.gemm2)]
     return dataclasses.replace(config, gemm1=tiles[0], gemm2=tiles[1])
 
 

@@ -174,6 +174,7 @@ def test_per_slot_follows_the_finishing_tiles():
     """`DecodeConfig.per_slot`: a finishing MMA or tensor-core tile on either GEMM; FMA tiles take a row per program
     anyway and leave the routing grouped."""
     fma = replace(FMA, finish=True)
+    assert DOT.takes_expert_slots and decode.mma_tile(32, 2, 4).takes_expert_slots and not FMA.takes_expert_slots
     assert DecodeConfig(replace(DOT_SPLIT, finish=True), DOT).per_slot
     assert DecodeConfig(DOT, decode.mma_tile(32, 2, 4, finish=True)).per_slot
     assert not DecodeConfig(fma, fma).per_slot and not DecodeConfig(DOT_SPLIT, DOT).per_slot

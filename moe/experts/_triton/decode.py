@@ -106,6 +106,12 @@ class DecodeTile:
             raise MoEConfigError(f"finish=True FMA tiles take one row at a time: block_m=1 (got {self.block_m}); "
                                  "use dot=True for a 16-row tile that finishes with a program per slot")
 
+    @property
+    def takes_expert_slots(self) -> bool:
+        """Whether a program of this tile takes all of an expert's slots where the routing groups them (MMA and
+        tensor-core tiles), rather than one row at a time (FMA tiles)."""
+        return self.mma or self.dot
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -123,7 +129,7 @@ class DecodeConfig:
     def per_slot(self) -> bool:
         """Whether the GEMMs run a program group per slot at any M rather than one per expert hit (`_routing`): where
         an MMA or tensor-core tile finishes its own split epilogue, which needs one slot per program."""
-        return any(t.finish and (t.mma or t.dot) for t in (self.gemm1, self.gemm2))
+        return any(t.finish and t.takes_expert_slots for t in (self.gemm1, self.gemm2))
 
 
 # MXFP4 / NVFP4 / MXFP8 weight-only where the MMA tiles cannot run (`DecodeConfig.fallback`), by the slots per
@@ -340,23 +346,22 @@ def _finishes(tile: DecodeTile, routing: _Routing, rows: int, n_out: int, ticket
     """Whether a GEMM of ``tile`` applies its split epilogue itself (`_decode._finish_if_last`): a ``finish``
     tile whose programs take one slot each (the ticket is a scalar atomic: FMA tiles always, MMA and tensor-core
     tiles where the routing is per slot) and a ticket for each of ``rows`` x its N tiles."""
-    one_slot = not (tile.mma or tile.dot) or not routing.grouped
+    one_slot = not tile.takes_expert_slots or not routing.grouped
     return tile.finish and one_slot and tickets is not None and rows * cdiv(n_out, tile.block_n) <= tickets.numel()
 
 
-def pdl_roles(x: torch.Tensor, per_slot: bool = False) -> tuple[int, int]:
+def pdl_roles(x: torch.Tensor, per_slot: bool) -> tuple[int, int]:
     """The two decode GEMMs' parts in a programmatic dependent launch (`_decode.PDL_FIRST`, `PDL_SECOND`) for
-    ``x``: for one token, or programs per slot (``per_slot``, `DecodeConfig.per_slot`), on SM90+, GEMM2 may launch
-    once every GEMM1 program is past its K loop, and its programs wait for GEMM1 to end before they start, so no
-    launch gap separates the two. On an H200 that took fp8_block at
-    M = 1 from 21.68 to 21.12 us (Qwen3-30B-A3B) and 44.21 to 42.32 (GPT-OSS-120B), NVFP4 Qwen3 from 20.37 to
-    19.58; at M = 4 and 16 it was within noise (-0.2 to +1.0%), and GEMM2's programs taking free SMs from GEMM1's
-    start and asking L2 for their weights meanwhile was slower everywhere (up to 17% at M = 16;
+    ``x``: where the programs take a slot each (``per_slot``: the routing does not group them -- one token, or
+    `DecodeConfig.per_slot`), on SM90+, GEMM2 may launch once every GEMM1 program is past its K loop, and its
+    programs wait for GEMM1 to end before they start, so no launch gap separates the two. On an H200 that took
+    fp8_block at M = 1 from 21.68 to 21.12 us (Qwen3-30B-A3B) and 44.21 to 42.32 (GPT-OSS-120B), NVFP4 Qwen3 from
+    20.37 to 19.58; at M = 4 and 16 it was within noise (-0.2 to +1.0%), and GEMM2's programs taking free SMs from
+    GEMM1's start and asking L2 for their weights meanwhile was slower everywhere (up to 17% at M = 16;
     benchmarks/results/fp8_decode_nvidia-h200.md). Elsewhere (groups per expert, older GPUs, Triton before 3.4, the
     CPU interpreter) both run as plain launches."""
     _decode = kernels("decode")
-    one_slot = x.shape[0] == 1 or per_slot
-    if _decode.HAS_PDL and one_slot and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0):
+    if _decode.HAS_PDL and per_slot and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0):
         return _decode.PDL_FIRST, _decode.PDL_SECOND
     return _decode.PDL_NONE, _decode.PDL_NONE
 
@@ -461,7 +466,7 @@ def decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if config.uses_mma and config.fallback is not None and not mma_ready(weights, x):
         config = config.fallback
     routing = _routing(topk_ids, weights, num_local, workspace, config.per_slot)
-    pdl1, pdl2 = pdl_roles(x, config.per_slot)
+    pdl1, pdl2 = pdl_roles(x, not routing.grouped)
     inter = workspace["inter"][:slots]
     part1 = workspace["decode_part1"][: config.gemm1.splits, :slots]
     part2 = workspace["decode_part2"][: config.gemm2.splits, :slots]
