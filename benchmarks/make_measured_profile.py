@@ -103,6 +103,10 @@ MACHINES = {
         # session 24: programs per slot for a few tokens, the tables' M = 2-3 entries (Qwen3, GPT-OSS; MXFP4, NVFP4,
         # bf16 beside), M = 1-4
         "fp4_gemv_s24_tables_bench_nvidia-h200.json": ("records", None),
+        # session 25: Qwen3's M = 4-13 entries (MXFP4, NVFP4, bf16 beside), M = 4-16. The second run's M = 14 took the
+        # M = 9 entry, which ships only up to 13 (a tie at 14 in one process: fp4_gemv_decode_nvidia-h200.md)
+        "fp4_gemv_s25_tables_bench_m4-8_nvidia-h200.json": ("records", None),
+        "fp4_gemv_s25_tables_bench_m7-16_nvidia-h200.json": ("records", None),
     }, "measured on nvidia-h200 (2026-11-22 to 2026-12-02; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
        "benchmarks/flashinfer_bench.py / benchmarks/ep_all_to_all.py"),
     "nvidia-h100": Machine("h100", {

@@ -55,8 +55,9 @@ MMA_TILES = [(1, 4, 1), (2, 4, 1), (4, 4, 2), (8, 4, 2), (2, 2, 2), (4, 2, 2), (
              (1, 4, 2), (8, 1, 2), (4, 8, 2)]
 
 
-# MMA tiles that finish their own epilogue run a program per slot (`DecodeConfig.per_slot`): swept up to this M
-FINISH_TOKENS = 4
+# MMA tiles that finish their own epilogue run a program per slot (`DecodeConfig.per_slot`): swept up to this M.
+# On an H200 they won up to Qwen3's M = 8 and GPT-OSS's 9, and lost from 10 (session 25)
+FINISH_TOKENS = 8
 
 
 def mma_tile(splits: int, warps: int, unroll: int = 1, finish: int = 0) -> DecodeTile:

@@ -242,8 +242,10 @@ def test_a_shapes_own_weight_only_decode_entries_come_first():
     """A table's ``decode`` entries (config.py) serve the weight-only formats as they serve fp8: the shape's own tiles
     at and above their M, with the bucket's FMA / tensor-core fallback attached; ``"default"`` the bucket's config;
     ``"grouped"`` none (the grouped GEMMs run). The H200's packaged tables hold entries for Qwen3-30B-A3B and
-    GPT-OSS-120B, MXFP4 and NVFP4, at one token (session 23) and, with programs per slot, at two (and Qwen3's at three;
-    benchmarks/results/fp4_gemv_decode_nvidia-h200.md, session 24), then the buckets."""
+    GPT-OSS-120B, MXFP4 and NVFP4, at one token (session 23) and, with programs per slot, at two (session 24); Qwen3's
+    also at three (session 24), four to eight (session 25, per slot) and nine to thirteen (session 25, per expert),
+    GPT-OSS's at eight and nine (session 25, per slot; benchmarks/results/fp4_gemv_decode_nvidia-h200.md); in between
+    and after, the buckets."""
     import dataclasses
 
     from moe.experts._triton.config import ConfigKey, ConfigTable
@@ -257,23 +259,28 @@ def test_a_shapes_own_weight_only_decode_entries_come_first():
     assert one.fallback == decode.decode_config(0.0625).fallback is not None
     assert decode.decode_config(0.125, 2, table) == decode.decode_config(0.125)
     assert decode.decode_config(0.1875, 3, table) is None
-    for shape in ((128, 8, 2048, 768, "silu"), (128, 4, 2880, 2880, "swiglu_oai")):
+    # (shape, the M of its entries' tiles, the last M whose entry finishes per slot)
+    packaged_entries = [((128, 8, 2048, 768, "silu"), {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13}, 8),
+                        ((128, 4, 2880, 2880, "swiglu_oai"), {1, 2, 8, 9}, 9)]
+    for shape, own_at, last_per_slot in packaged_entries:
         k = shape[1]
-        own_up_to = 3 if k == 8 else 2  # the last M with the shape's own tiles
         for quant in ("mxfp4", "nvfp4"):
             packaged = ConfigTable.load(ConfigKey(*shape, quant, "standard", "NVIDIA H200"))
-            for tokens in range(1, own_up_to + 2):
+            section = dict(packaged.decode)
+            assert all(entry != "grouped" for entry in section.values()), (shape, quant)
+            for tokens in range(1, max(own_at) + 3):
                 rows = tokens * k / 128
                 config = decode.decode_config(rows, tokens, packaged)
                 assert config.gemm1.mma and config.gemm2.mma, (shape, quant, tokens)
-                assert config.per_slot is (tokens <= own_up_to or rows < 0.25), (shape, quant, tokens)
                 assert config.fallback == decode.decode_config(rows).fallback, (shape, quant, tokens)
-                entry = dict(packaged.decode)[min(tokens, own_up_to + 1)]
-                if tokens > own_up_to:
-                    assert entry == "default" and config == decode.decode_config(rows), (shape, quant, tokens)
-                else:
-                    want = decode.table_decode_config(entry)
-                    assert (config.gemm1, config.gemm2) == (want.gemm1, want.gemm2), (shape, quant, tokens)
+                entry = section[max(m for m in section if m <= tokens)]  # e.g. Qwen3 MXFP4's M = 7: its M = 6 entry
+                assert (entry != "default") is (tokens in own_at), (shape, quant, tokens)
+                if entry == "default":
+                    assert config == decode.decode_config(rows), (shape, quant, tokens)
+                    continue
+                want = decode.table_decode_config(entry)
+                assert (config.gemm1, config.gemm2) == (want.gemm1, want.gemm2), (shape, quant, tokens)
+                assert config.per_slot is (tokens <= last_per_slot), (shape, quant, tokens)
 
 
 def test_mma_configs_fall_back_where_the_mma_tiles_cannot_run(monkeypatch):

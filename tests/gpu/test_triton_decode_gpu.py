@@ -313,25 +313,28 @@ def test_mma_tiles_match_reference(quant, tokens, tiles, monkeypatch):
 @pytest.mark.parametrize("shape", ["qwen3", "gpt-oss"])
 def test_a_shapes_own_weight_only_decode_entries_match_the_grouped_gemm(shape, quant):
     """Every tiles entry of this GPU's weight-only tables' ``decode`` sections (the H200's: Qwen3-30B-A3B and
-    GPT-OSS-120B, MXFP4 and NVFP4, at one token and, programs per slot, two and three): at its M, against the
-    grouped GEMM and the reference, and CUDA-graph replay equal to eager."""
+    GPT-OSS-120B, MXFP4 and NVFP4, at one token; programs per slot at two, Qwen3's up to eight, GPT-OSS's at eight and
+    nine; Qwen3's per expert at nine to thirteen): at its M, against the grouped GEMM and the reference, and CUDA-graph replay equal
+    to eager."""
     def shaped(tokens):
         if shape == "qwen3":
             return problem(quant, "silu", E=128, k=8, H=2048, I=768, max_tokens=tokens)
         return problem(quant, "swiglu_oai", E=128, k=4, H=2880, I=2880, bias=True, max_tokens=tokens)
 
-    p = shaped(3)
+    p = shaped(64)
     weights = weights_for(p, spread=(0.125, 128.0)) if quant == "nvfp4" else weights_for(p)
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(weights)
-    entries = [m for m, entry in prepared.configs.decode if entry not in ("default", "grouped") and m <= 3]
+    entries = [(m, entry) for m, entry in prepared.configs.decode if entry not in ("default", "grouped")]
+    assert all(m <= p.max_tokens for m, _ in entries), entries
     if not entries:
-        pytest.skip(f"no decode tiles entry at M <= 3 in this GPU's table ({prepared.configs.key.device})")
-    for tokens in entries:
+        pytest.skip(f"no decode tiles entry in this GPU's table ({prepared.configs.key.device})")
+    for tokens, entry in entries:
         config = decode.decode_config(tokens * p.top_k / p.local_num_experts, tokens, prepared.configs)
+        want = decode.table_decode_config(entry)
         d = dispatched_for(p, tokens)
         assert decode.mma_ready(prepared, d.x.data) and config.uses_mma
-        assert config.per_slot  # the entries' tiles finish their own epilogue
+        assert (config.gemm1, config.gemm2) == (want.gemm1, want.gemm2)
         out = run(experts, d, prepared).float().clone()
         context = f"{quant} {shape} table decode entry M={tokens} {config}"
         if quant == "nvfp4":

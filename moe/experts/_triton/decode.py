@@ -171,7 +171,10 @@ def mma_tile(block_n: int, unroll: int, splits: int, finish: bool = False) -> De
 # in the sweeps, bucket 0.1's tiles at Qwen3 M = 2 and 3 by 26-32%). Bucket 0.25 finishing won at Qwen3 M = 4-6 but
 # lost at GPT-OSS M = 8-16 (4-24%) and Qwen3 M = 8-12, where more slots share experts: it stays per expert. A
 # shape's table may override a bucket by M (`decode_config`): the H200's Qwen3 and GPT-OSS MXFP4 / NVFP4 tables do for
-# one token (session 23's tiles) and, with programs per slot, two (Qwen3: and three; session 24's).
+# one token (session 23's tiles) and, with programs per slot, two (session 24's). Qwen3's also for 3-8 tokens, per slot
+# (sessions 24-25; at M = 4-8 0.76-0.94x the time of bucket 0.25 per expert, in one process), and for 9-13 with one
+# split per expert (0.92-0.96x, NVFP4 at M = 10 0.99x; at 14 0.99-1.01x, so the bucket from there). GPT-OSS's also for
+# 8-9 tokens, per slot (0.95-0.98x; at 10-11 0.99-1.03x).
 DECODE_CONFIGS = {
     0.0: DecodeConfig(mma_tile(64, 2, 4, finish=True), mma_tile(64, 2, 4, finish=True)),
     0.05: DecodeConfig(mma_tile(32, 2, 4, finish=True), mma_tile(32, 2, 4, finish=True)),
