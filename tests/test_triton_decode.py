@@ -277,6 +277,7 @@ def test_a_shapes_own_weight_only_decode_entries_come_first():
                 assert (entry != "default") is (tokens in own_at), (shape, quant, tokens)
                 if entry == "default":
                     assert config == decode.decode_config(rows), (shape, quant, tokens)
+                    assert config.per_slot is (rows < 0.25), (shape, quant, tokens)  # the buckets' rule
                     continue
                 want = decode.table_decode_config(entry)
                 assert (config.gemm1, config.gemm2) == (want.gemm1, want.gemm2), (shape, quant, tokens)

@@ -314,8 +314,8 @@ def test_mma_tiles_match_reference(quant, tokens, tiles, monkeypatch):
 def test_a_shapes_own_weight_only_decode_entries_match_the_grouped_gemm(shape, quant):
     """Every tiles entry of this GPU's weight-only tables' ``decode`` sections (the H200's: Qwen3-30B-A3B and
     GPT-OSS-120B, MXFP4 and NVFP4, at one token; programs per slot at two, Qwen3's up to eight, GPT-OSS's at eight and
-    nine; Qwen3's per expert at nine to thirteen): at its M, against the grouped GEMM and the reference, and CUDA-graph replay equal
-    to eager."""
+    nine; Qwen3's per expert at nine to thirteen): at its M, against the grouped GEMM and the reference, and CUDA-graph
+    replay equal to eager."""
     def shaped(tokens):
         if shape == "qwen3":
             return problem(quant, "silu", E=128, k=8, H=2048, I=768, max_tokens=tokens)
