@@ -73,14 +73,33 @@ def test_targets_take_our_best_backend_against_the_better_peer():
                near_roofline]
     table = bench_report.format_targets(records, ceilings, TARGETS)
     # M=1: ours is FlashInfer's 25.0; the better peer is vLLM (35.8 < 90): need 35.8 / 1.1
-    assert "| 1 | 25.0 (flashinfer_cutlass) | 35.8 (28%) | 90.0 | 32.5 | 1.43x |" in table
+    assert "| 1 | 25.0 (flashinfer_cutlass) | 35.8 (28%) | 90.0 (torch_grouped) | 32.5 | 1.43x |" in table
     assert table.split("\n")[5].endswith("| yes |")
     # M=16: the baseline (150) beats vLLM, so it sets the bar, and 200 misses it
-    assert "| 16 | 200.0 (triton) | 204.6 (5%) | 150.0 | 136.4 | 0.75x |" in table
+    assert "| 16 | 200.0 (triton) | 204.6 (5%) | 150.0 (torch_grouped) | 136.4 | 0.75x |" in table
     assert table.split("\n")[6].endswith("| no |")
     # M=256: vLLM runs at 95% of the roofline: matching it is the goal
     assert "| 256 | 199.0 (triton) | 200.0 (95%) | - | 200.0 | 1.01x |" in table
     assert table.split("\n")[7].endswith("| yes (match) |")
+
+
+def test_a_library_backend_named_a_baseline_is_a_peer_not_ours():
+    """Issue 14 counts FlashInfer's CUTLASS MoE as a peer: named in ``baselines``, it sets the bar instead of
+    standing for us."""
+    ceilings = bench_report.Ceilings("NVIDIA H200", 4.2e12, 7.7e14, 1.5e15)
+    targets = dataclasses.replace(TARGETS, baselines=("torch_grouped", "flashinfer_cutlass"))
+    records = [_record("triton", 1, 30.0, 35.8), _record("flashinfer_cutlass", 1, 25.0, 35.8),
+               _record("torch_grouped", 1, 90.0, 35.8)]
+    table = bench_report.format_targets(records, ceilings, targets)
+    # the better peer is FlashInfer's 25.0 (under vLLM's 35.8 and torch's 90.0): need 25.0 / 1.1
+    assert "| 1 | 30.0 (triton) | 35.8 (28%) | 25.0 (flashinfer_cutlass) | 22.7 | 0.83x |" in table
+    assert table.split("\n")[5].endswith("| no |")
+    # where that better peer already runs at 90% of the roofline, matching it is the goal, as with vLLM's times
+    near = [dataclasses.replace(r, roofline_us=23.0) for r in records]  # FlashInfer at 92%
+    table = bench_report.format_targets(near, ceilings, targets)
+    assert "| 1 | 30.0 (triton) | 35.8 (64%) | 25.0 (flashinfer_cutlass) | 25.0 | 0.83x |" in table
+    near[0] = dataclasses.replace(near[0], us=24.5)
+    assert bench_report.format_targets(near, ceilings, targets).split("\n")[5].endswith("| yes (match) |")
 
 
 def test_quantized_schemes_against_bf16_take_each_schemes_fastest_backend():
@@ -177,7 +196,7 @@ def test_tune_times_weight_only_schemes_on_unquantized_activations(scheme):
 def test_the_peer_targets_are_data_under_benchmarks():
     targets = bench_report.load_targets(bench.CHECKOUT_TARGETS)
     assert bench.CHECKOUT_TARGETS.parent.name == "benchmarks"
-    assert (targets.name, targets.baselines, targets.speedup, targets.match_at) == ("vLLM", ("torch_grouped",), 1.1, 0.9)
+    assert (targets.name, targets.baselines, targets.speedup, targets.match_at) == ("vLLM", ("torch_grouped", "flashinfer_cutlass"), 1.1, 0.9)
     assert targets.time("qwen3-30b-a3b", "bf16", 1) == 35.8 and targets.time("deepseek-v3-ep8-slice", "bf16", 16384) == 44330.9
     assert targets.time("qwen3-30b-a3b", "fp8_block", 1) is None  # the times are for bf16 only
     # the package holds none of them
