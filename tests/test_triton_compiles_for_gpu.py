@@ -298,21 +298,34 @@ def one_token_fp8_dot_record(records):
                 and dict(r.constexprs)["FINISH"] != 0)
 
 
-@pytest.mark.parametrize("pdl", [1, 2], ids=["first", "second"])
+@pytest.mark.parametrize("pdl", [1, 2, 3], ids=["first", "second", "chained"])
 def test_the_decode_gemms_compile_for_a_programmatic_dependent_launch(records, pdl):
     """On SM90 the decode GEMMs run as a programmatic dependent launch (`decode.pdl_roles`; the CPU never launches
     one): GEMM1 lets the next grid start after its K loop (griddepcontrol.launch_dependents), GEMM2 is launched so
-    and waits for GEMM1 (griddepcontrol.wait) -- on an fp8 tensor-core tile that finishes its own epilogue, as the
-    one-token configs do."""
+    and waits for GEMM1 (griddepcontrol.wait); chained, GEMM1 does both (launched so after the routing kernel) --
+    on an fp8 tensor-core tile that finishes its own epilogue, as the one-token configs do."""
     base = one_token_fp8_dot_record(records)
     values = dict(base.constexprs) | dict(PDL=pdl)
     record = replace(base, constexprs=tuple(values.items()),
-                     options=tuple(dict(base.options, launch_pdl=pdl == 2).items()))
+                     options=tuple(dict(base.options, launch_pdl=pdl >= 2).items()))
     with launches.Compiler(workers=1) as compiler:
         error, ptx = compiler.stage(launches.CompileJob(record, 90), "ptx").result()
     assert error is None, error
-    assert ("griddepcontrol.launch_dependents" in ptx) is (pdl == 1)
-    assert ("griddepcontrol.wait" in ptx) is (pdl == 2)
+    assert ("griddepcontrol.launch_dependents" in ptx) is (pdl in (1, 3))
+    assert ("griddepcontrol.wait" in ptx) is (pdl in (2, 3))
+
+
+def test_the_routing_kernel_compiles_to_let_the_next_launch_start(records):
+    """On SM90 the routing kernel lets a programmatic dependent launch after it (a decode GEMM1, chained) start at
+    once; the CPU's launches record it without."""
+    base = next(r for r in records if r.name == "moe.routing._fused.route_kernel")
+    assert dict(base.constexprs)["LAUNCH_DEPENDENTS"] is False
+    record = replace(base, constexprs=tuple((dict(base.constexprs) | dict(LAUNCH_DEPENDENTS=True)).items()))
+    with launches.Compiler(workers=1) as compiler:
+        jobs = [compiler.stage(launches.CompileJob(r, 90), "ptx") for r in (record, base)]
+        (error, ptx), (bare_error, bare_ptx) = [job.result() for job in jobs]
+    assert error is None and bare_error is None, (error, bare_error)
+    assert "griddepcontrol.launch_dependents" in ptx and "griddepcontrol.launch_dependents" not in bare_ptx
 
 
 def test_records_carry_what_a_launch_specializes_as_multiples_of_16(records):

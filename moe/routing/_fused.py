@@ -10,6 +10,13 @@ import triton.language as tl
 
 from moe.experts._triton._lang import max_, min_, sum_
 
+try:  # grid dependency control (a programmatic dependent launch): Triton 3.4+
+    from triton.language.extra.cuda import gdc_launch_dependents
+    HAS_PDL = True
+except ImportError:  # `fused.fused_route` never asks for it then
+    gdc_launch_dependents = None
+    HAS_PDL = False
+
 
 @triton.jit
 def _log1p(y):
@@ -69,8 +76,13 @@ def route_kernel(
     K: tl.constexpr, SCORE: tl.constexpr, ON_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, RENORMALIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
-    """ids [M, K] int32 and weights [M, K] float32 of logits [M, E] (row stride ``stride_m``)."""
+    """ids [M, K] int32 and weights [M, K] float32 of logits [M, E] (row stride ``stride_m``);
+    ``LAUNCH_DEPENDENTS``: a kernel launched after this one as a programmatic dependent launch may start now
+    (it waits for this grid to end before it reads the routing)."""
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_E)
     valid = (rows[:, None] < M) & (cols[None, :] < E)

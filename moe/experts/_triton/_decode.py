@@ -96,9 +96,13 @@ _FINISH_ACTIVATE = tl.constexpr(FINISH_ACTIVATE)
 # the decode GEMM's part in a programmatic dependent launch (SM90+, `decode.pdl_roles`): none; the first GEMM, whose
 # programs let the next launch start once all of them are past their K loop; the second, launched so, whose
 # programs wait for the first GEMM's whole grid and memory before anything else
-PDL_NONE, PDL_FIRST, PDL_SECOND = 0, 1, 2
+# a decode GEMM's part in a programmatic dependent launch (`decode.pdl_roles`): FIRST lets the next launch start
+# once its weights are streamed; SECOND waits for the launch before it to end; CHAINED does both, its wait coming
+# before it reads the routing (the routing kernel's launch before it lets it start at once: `moe.routing.fused`)
+PDL_NONE, PDL_FIRST, PDL_SECOND, PDL_CHAINED = 0, 1, 2, 3
 _PDL_FIRST = tl.constexpr(PDL_FIRST)
 _PDL_SECOND = tl.constexpr(PDL_SECOND)
+_PDL_CHAINED = tl.constexpr(PDL_CHAINED)
 
 
 @triton.jit
@@ -359,6 +363,8 @@ def decode_gemm_kernel(
     SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     MMA: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL == _PDL_CHAINED:  # the routing this reads may still be being written
+        gdc_wait()
     expert, start, count = _group(tl.program_id(1), ids_ptr, map_ptr, counts_ptr, ends_ptr, num_local,
                                   GROUPED, HAS_MAP, E_PAD)
     if PDL == _PDL_SECOND:  # in every program, so that this grid ends after the first one
@@ -370,7 +376,7 @@ def decode_gemm_kernel(
                     start, count, N, K, stride_am, stride_fe, stride_fse, k_blocks, up_blocks, stride_be, stride_om,
                     stride_ps, stride_pm, alpha, beta, limit, GROUPED, A_ROW_DIV, GATED, ACTIVATION, HAS_BIAS, FUSED,
                     SPLITS, SCALES, NVFP4_ASM_UNBIAS, BLOCK_N, BLOCK_K // 64)
-        if PDL == _PDL_FIRST:
+        if PDL == _PDL_FIRST or PDL == _PDL_CHAINED:
             gdc_launch_dependents()
         if FINISH != 0 and not GROUPED:  # a program per slot: its one slot is `start`
             _finish_if_last(start.to(tl.int64), expert.to(tl.int64), tickets_ptr, part_ptr, bias_ptr, topk_w_ptr,
@@ -416,7 +422,7 @@ def decode_gemm_kernel(
                                            stride_wn, ws_base, stride_wsn, stride_wsk, offs_n, N, K, k_first,
                                            k_last, GATED, ASM, SCALES, BLOCK_K, STAGES)
                 acc, acc_up = sum_(acc, 2), sum_(acc_up, 2)
-        if PDL == _PDL_FIRST:  # the weights are streamed: the second GEMM may launch (later calls are no-ops)
+        if PDL == _PDL_FIRST or PDL == _PDL_CHAINED:  # the weights are streamed: the second GEMM may launch
             gdc_launch_dependents()
         if SCALES == _NVFP4:  # the expert's global scale factors out of the sum over K (and the splits)
             global_scale = tl.load(wg_ptr + expert)

@@ -354,18 +354,22 @@ def _finishes(tile: DecodeTile, routing: _Routing, rows: int, n_out: int, ticket
 
 
 def pdl_roles(x: torch.Tensor, per_slot: bool) -> tuple[int, int]:
-    """The two decode GEMMs' parts in a programmatic dependent launch (`_decode.PDL_FIRST`, `PDL_SECOND`) for
+    """The two decode GEMMs' parts in a programmatic dependent launch (`_decode.PDL_CHAINED`, `PDL_SECOND`) for
     ``x``: where the programs take a slot each (``per_slot``: the routing does not group them -- one token, or
     `DecodeConfig.per_slot`), on SM90+, GEMM2 may launch once every GEMM1 program is past its K loop, and its
     programs wait for GEMM1 to end before they start, so no launch gap separates the two. On an H200 that took
     fp8_block at M = 1 from 21.68 to 21.12 us (Qwen3-30B-A3B) and 44.21 to 42.32 (GPT-OSS-120B), NVFP4 Qwen3 from
     20.37 to 19.58; at M = 4 and 16 it was within noise (-0.2 to +1.0%), and GEMM2's programs taking free SMs from
     GEMM1's start and asking L2 for their weights meanwhile was slower everywhere (up to 17% at M = 16;
-    benchmarks/results/fp8_decode_nvidia-h200.md). Elsewhere (groups per expert, older GPUs, Triton before 3.4, the
-    CPU interpreter) both run as plain launches."""
+    benchmarks/results/fp8_decode_nvidia-h200.md). GEMM1 is itself launched so after the launch before it (in a
+    layer, the routing kernel, which lets it start at once: `moe.routing.fused`), and waits for that grid to end
+    before it reads the routing, so its launch runs under the routing kernel: on an H200 the layer at one token took
+    2.2-6.8% less (Qwen3-30B-A3B MXFP4 / NVFP4 / fp8_block, GPT-OSS-120B MXFP4 / fp8_block; at 2 and 4 tokens -2.4%
+    to +1.9%, within the spread; benchmarks/results/layer_decode_nvidia-h200.md). Elsewhere (groups per expert, older
+    GPUs, Triton before 3.4, the CPU interpreter) both run as plain launches."""
     _decode = kernels("decode")
     if _decode.HAS_PDL and per_slot and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0):
-        return _decode.PDL_FIRST, _decode.PDL_SECOND
+        return _decode.PDL_CHAINED, _decode.PDL_SECOND
     return _decode.PDL_NONE, _decode.PDL_NONE
 
 
@@ -413,7 +417,8 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor | None, part: tor
         IEEE=a.dtype == torch.float32, DOT=tile.dot, ASM=asm, SCALES=QUANT_CODES[w.fmt], BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages, MMA=tile.mma, PDL=pdl,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **({"launch_pdl": True} if pdl == kernels("decode").PDL_SECOND else {}),  # a launch option Triton 3.4 added
+        # a launch option Triton 3.4 added
+        **({"launch_pdl": True} if pdl in (kernels("decode").PDL_SECOND, kernels("decode").PDL_CHAINED) else {}),
     )
 
 
