@@ -93,12 +93,11 @@ def _e8m0_bf16_biased(scale_bytes):
 # the decode GEMM's FINISH: none (the epilogue launches, or one fused split), GEMM1's or GEMM2's (`_finish_if_last`)
 FINISH_NONE, FINISH_ACTIVATE, FINISH_COMBINE = 0, 1, 2
 _FINISH_ACTIVATE = tl.constexpr(FINISH_ACTIVATE)
-# the decode GEMM's part in a programmatic dependent launch (SM90+, `decode.pdl_roles`): none; the first GEMM, whose
-# programs let the next launch start once all of them are past their K loop; the second, launched so, whose
-# programs wait for the first GEMM's whole grid and memory before anything else
-# a decode GEMM's part in a programmatic dependent launch (`decode.pdl_roles`): FIRST lets the next launch start
-# once its weights are streamed; SECOND waits for the launch before it to end; CHAINED does both, its wait coming
-# before it reads the routing (the routing kernel's launch before it lets it start at once: `moe.routing.fused`)
+# the decode GEMM's part in a programmatic dependent launch (SM90+, `decode.pdl_roles`): none; FIRST, whose programs
+# let the next launch start once all of them are past their K loop; SECOND, launched so, whose programs wait for the
+# launch before it (its whole grid and memory) before they read what it wrote; CHAINED, launched so too, which waits
+# before it reads the routing and then lets the next launch start as FIRST does (GEMM1 after the routing kernel,
+# which lets it start at once: `moe.routing.fused`)
 PDL_NONE, PDL_FIRST, PDL_SECOND, PDL_CHAINED = 0, 1, 2, 3
 _PDL_FIRST = tl.constexpr(PDL_FIRST)
 _PDL_SECOND = tl.constexpr(PDL_SECOND)
