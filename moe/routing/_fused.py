@@ -8,14 +8,7 @@ weights' normalization and scale, stored once.
 import triton
 import triton.language as tl
 
-from moe.experts._triton._lang import max_, min_, sum_
-
-try:  # grid dependency control (a programmatic dependent launch): Triton 3.4+
-    from triton.language.extra.cuda import gdc_launch_dependents
-    HAS_PDL = True
-except ImportError:  # `fused.fused_route` never asks for it then
-    gdc_launch_dependents = None
-    HAS_PDL = False
+from moe.experts._triton._lang import gdc_launch_dependents, max_, min_, pdl_supported, sum_  # noqa: F401
 
 
 @triton.jit

@@ -48,15 +48,6 @@ def fused_pays(router: Router, router_logits: torch.Tensor) -> bool:
     return router_logits.is_cuda and fused_supports(router)
 
 
-def _launches_dependents(device: torch.device) -> bool:
-    """Whether the routing kernel lets a programmatic dependent launch after it start at once (SM90+, Triton 3.4+):
-    the Triton decode GEMMs that read its routing are launched so where one token or a program per slot runs
-    (`moe.experts._triton.decode.pdl_roles`), and wait for this grid to end before they read it."""
-    from moe.routing import _fused  # noqa: PLC0415
-
-    return _fused.HAS_PDL and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 def fused_route(router_logits: torch.Tensor, router: Router) -> TopK:
     """``router``'s routing of ``router_logits [M, E + Z]`` (validated by the caller) in one launch."""
     if not fused_supports(router):
@@ -91,7 +82,8 @@ def fused_route(router_logits: torch.Tensor, router: Router) -> TopK:
         BLOCK_E=block_e,
         BLOCK_G=triton.next_power_of_2(n_group),
         BLOCK_K=triton.next_power_of_2(router.top_k),
-        LAUNCH_DEPENDENTS=_launches_dependents(device),
+        # a decode GEMM1 launched after this one may start at once (`moe.experts._triton.decode.pdl_roles`)
+        LAUNCH_DEPENDENTS=_fused.pdl_supported(device),
         num_warps=_ROWS_PER_PROGRAM,
     )
     return TopK(ids, weights)

@@ -25,20 +25,13 @@ tiles cannot run. The weight format lives in `_weight_half_tiles` (tensor cores)
 import triton
 import triton.language as tl
 
-try:  # grid dependency control (a programmatic dependent launch): Triton 3.4+
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    HAS_PDL = True
-except ImportError:  # `decode.pdl_roles` never asks for it then
-    gdc_launch_dependents = gdc_wait = None
-    HAS_PDL = False
-
 from moe.experts._triton._decode_fp8 import GROUP, fp8_k_loop
 from moe.experts._triton._gemm import (_FP8_BLOCK, _FP8_ROW, _MXFP8, _NVFP4, _activate, _dot, _e4m3_scaled,
                                        _e2m1_halves, _e8m0_factor, _fp4_factors, _fp4_half_tiles, _fp4_load,
                                        _fp4_scale_words, _mxfp8_tile)
 from moe.experts._triton._decode_mma import (NVFP4_ASM_UNBIAS, NVFP4_SCALE_BIAS,  # noqa: F401
                                              e4m3_bf16_biased, mma_program)
-from moe.experts._triton._lang import cdiv_, cumsum_, sum_
+from moe.experts._triton._lang import cdiv_, cumsum_, gdc_launch_dependents, gdc_wait, pdl_supported, sum_  # noqa: F401
 
 # e2m1 codes of 4 bytes -> 8 bfloat16 values times the scale, 2 per register. The code's magnitude
 # bits go to bf16 bits 6..8 (exponent 7..8, top mantissa bit 6) and its sign to bit 15: that bf16

@@ -368,7 +368,7 @@ def pdl_roles(x: torch.Tensor, per_slot: bool) -> tuple[int, int]:
     to +1.9%, within the spread; benchmarks/results/layer_decode_nvidia-h200.md). Elsewhere (groups per expert, older
     GPUs, Triton before 3.4, the CPU interpreter) both run as plain launches."""
     _decode = kernels("decode")
-    if _decode.HAS_PDL and per_slot and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0):
+    if per_slot and _decode.pdl_supported(x.device):
         return _decode.PDL_CHAINED, _decode.PDL_SECOND
     return _decode.PDL_NONE, _decode.PDL_NONE
 
