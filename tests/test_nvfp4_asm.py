@@ -61,6 +61,20 @@ def test_every_biased_scale_is_a_normal_finite_bf16_equal_to_the_scale_times_the
     assert scales.abs().max() == 480 * 2.0**NVFP4_SCALE_BIAS < 2.0**128  # 448, and the unused NaN codes' 480
 
 
+def test_the_mma_tiles_build_each_biased_scale_from_its_byte_by_bits_and_two_fmas():
+    """`_decode_mma._e4m3_pairs_ptx`, emulated: the byte's sign at bf16 bit 15 and its other seven bits at 4..10 read
+    as the value * 2**-120 (e4m3 subnormals as bf16 subnormals); two fmas by 0x7B00 (2**119), each exact, give
+    `e4m3_bf16_biased`'s value for every byte. The GPU runs the PTX itself in tests/gpu/test_triton_decode_gpu.py."""
+    placed = _bits_as(((BYTES & 0x80) << 8) | ((BYTES & 0x7F) << 4), torch.bfloat16)
+    assert torch.equal(placed.double(), e4m3_values() * 2.0**-120)
+    two_119 = _bits_as(torch.tensor([0x7B00]), torch.bfloat16)
+    assert two_119.item() == 2.0**119
+    once = (placed.double() * 2.0**119).float().to(torch.bfloat16)
+    assert torch.equal(once.double(), placed.double() * 2.0**119)  # exact: no rounding, no flush
+    twice = (once.double() * 2.0**119).float().to(torch.bfloat16)
+    assert torch.equal(twice.view(torch.int16), biased_scales().view(torch.int16))
+
+
 def test_the_e2m1_bit_placement_is_the_value_times_2_pow_minus_126():
     assert torch.equal(e2m1_times_2_pow_minus_126().double(), E2M1_VALUES * 2.0**-126)
 

@@ -367,3 +367,36 @@ def test_mma_tiles_refuse_weights_without_fragments(monkeypatch):
     bare = replace(prepared, w13=replace(prepared.w13, fragments=None))
     with pytest.raises(Exception, match="mma=True tiles need fp4 weights prepared with their MMA fragments"):
         run(experts, dispatched_for(p, 1), bare)
+
+
+def test_the_mma_tiles_nvfp4_scale_pairs_are_exact_for_every_e4m3_byte():
+    """`_decode_mma`'s PTX builds each NVFP4 scale's biased bf16x2 pair from the e4m3 byte with bit operations and
+    two bf16 fmas by 2**119, the first on a bfloat16 subnormal where e4m3's is: on the GPU, every one of the 256
+    bytes (four to a word, as the kernel loads them) gives `e4m3_bf16_biased`'s value in both halves."""
+    import triton
+    import triton.language as tl
+
+    from moe.experts._triton._decode_mma import _e4m3_pairs_ptx
+    from tests.test_nvfp4_asm import biased_scales
+
+    asm = ("{\n.reg .b32 x, negz, two119;\nmov.b32 negz, 0x80008000;\nmov.b32 two119, 0x7B007B00;\n"
+           + _e4m3_pairs_ptx("$4", ("$0", "$1", "$2", "$3")) + "}")
+
+    @triton.jit
+    def pairs_kernel(words_ptr, out_ptr, ASM: tl.constexpr):
+        i = tl.arange(0, 64)
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [tl.load(words_ptr + i)],
+                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
+                                                   pack=1)
+        tl.store(out_ptr + i * 4, p0)
+        tl.store(out_ptr + i * 4 + 1, p1)
+        tl.store(out_ptr + i * 4 + 2, p2)
+        tl.store(out_ptr + i * 4 + 3, p3)
+
+    words = torch.arange(256, dtype=torch.uint8).view(torch.int32).cuda()  # byte k of word w: 4w + k
+    out = torch.empty(256, dtype=torch.int32, device="cuda")
+    pairs_kernel[(1,)](words, out, ASM=asm)
+    halves = out.cpu().view(torch.bfloat16).view(256, 2)
+    want = biased_scales()
+    assert torch.equal(halves[:, 0].view(torch.int16), want.view(torch.int16))
+    assert torch.equal(halves[:, 1].view(torch.int16), want.view(torch.int16))

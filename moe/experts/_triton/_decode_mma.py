@@ -7,9 +7,10 @@ which value. So every tensor here is one-dimensional with one element per thread
 BLOCK_N / 16 warps), element i on thread i -- the layout Triton gives such a tensor -- and every load that
 feeds the MMA is PTX too (`_LD16`), which Triton's coalescing pass (the only one that would widen a thread's
 share) never touches. Warp w owns weight rows ``16 (tile * W + w) ..`` + 15; lane ``4g + t`` loads the 16 bytes
-`weights.mma_fragments` put there for it (rows g and g + 8, two groups of 32 along K), decodes them to bf16
-with the scale folded in (`e2m1_fragment_ptx`: the bf16x2 trick of the tensor-core tiles' `_decode._E2M1_PTX` on
-codes pre-placed for it; exact where `decode.packed_dequantization` holds) and
+`weights.mma_fragments` put there for it (rows g and g + 8, two groups of 32 along K) and the 4 bytes of their
+scales, pairs the scales in PTX (MXFP4's e8m0 and NVFP4's e4m3 alike: `_e8m0_pairs_ptx`, `_e4m3_pairs_ptx`),
+decodes the codes to bf16 with the scale folded in (`e2m1_fragment_ptx`: the bf16x2 trick of the tensor-core
+tiles' `_decode._E2M1_PTX` on codes pre-placed for it; exact where `decode.packed_dequantization` holds) and
 runs the four MMAs of the 64-column K step, accumulating token ``2t, 2t + 1``'s sums of rows g and g + 8.
 Its activations are token g's 16 contiguous bytes per group, the K order both operands agree on. ``UNROLL``
 steps' loads go out before their MMAs (Triton does not pipeline loads it cannot see). The epilogue is the
@@ -78,33 +79,47 @@ def _e8m0_pairs_ptx(word: str, pairs: tuple[str, str, str, str]) -> str:
                    for k, p in enumerate(pairs))
 
 
+# e4m3 byte k of the scale word -> bf16x2 (byte's value * 2**NVFP4_SCALE_BIAS) in both halves, as
+# `e4m3_bf16_biased` gives it: prmt spreads the byte over both halves; its sign goes to bit 15 and its seven
+# exponent and mantissa bits to bits 4..10, which reads as the value * 2**-120 in bfloat16 (both biases apart by
+# 120; e4m3's subnormals land on bfloat16's); two exact fmas by 2**119 (0x7B00) make that * 2**118. The fmas need
+# subnormal inputs kept, as sm80+'s bf16 fma does (tests/gpu/test_triton_decode_gpu.py checks all 256 bytes).
+def _e4m3_pairs_ptx(word: str, pairs: tuple[str, str, str, str]) -> str:
+    return "".join(f"prmt.b32 {p}, {word}, 0, 0x4{k}4{k};\nshl.b32 x, {p}, 8;\nand.b32 x, x, 0x80008000;\n"
+                   f"shl.b32 {p}, {p}, 4;\nand.b32 {p}, {p}, 0x07F007F0;\nor.b32 {p}, {p}, x;\n"
+                   f"fma.rn.bf16x2 {p}, {p}, two119, negz;\nfma.rn.bf16x2 {p}, {p}, two119, negz;\n"
+                   for k, p in enumerate(pairs))
+
+
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
 
-def _mma_step_ptx(scale_word: bool) -> str:
-    """One 64-column K step of one lane: $4..$7 its weight words (group 0: $4, $5; group 1: $6, $7); then the scales,
-    MXFP4's word ($8, ``scale_word``) or four bf16x2 pairs ($8..$11: rows g / g + 8 of group 0, of group 1); then
-    8 registers of activations (group 0's 8 bf16, group 1's) and the 4 accumulators; $0..$3 out, written by the
+def _mma_step_ptx(e8m0: bool) -> str:
+    """One 64-column K step of one lane: $4..$7 its weight words (group 0: $4, $5; group 1: $6, $7); $8 its scale
+    word (rows g / g + 8 of group 0, of group 1), MXFP4's e8m0 bytes (``e8m0``) or NVFP4's e4m3 ones, paired here;
+    then 8 registers of activations (group 0's 8 bf16, group 1's) and the 4 accumulators; $0..$3 out, written by the
     last MMA only (no input is read after an output is written, so they may share registers)."""
-    b = 9 if scale_word else 12
-    s = ("sp0", "sp1", "sp2", "sp3") if scale_word else ("$8", "$9", "$10", "$11")
-    acc = f"${b + 8}, ${b + 9}, ${b + 10}, ${b + 11}"
-    text = "{\n.reg .b32 x, y, negz, sp<4>, a<16>;\n.reg .f32 d<4>;\nmov.b32 negz, 0x80008000;\n"
-    if scale_word:
+    s = ("sp0", "sp1", "sp2", "sp3")
+    acc = "$17, $18, $19, $20"
+    text = "{\n.reg .b32 x, y, negz, two119, sp<4>, a<16>;\n.reg .f32 d<4>;\nmov.b32 negz, 0x80008000;\n"
+    if e8m0:
         text += _e8m0_pairs_ptx("$8", s)
+    else:
+        text += "mov.b32 two119, 0x7B007B00;\n" + _e4m3_pairs_ptx("$8", s)
     text += (e2m1_fragment_ptx("$4", s[0], s[1], ("a0", "a1", "a4", "a5"))
              + e2m1_fragment_ptx("$5", s[0], s[1], ("a2", "a3", "a6", "a7"))
              + e2m1_fragment_ptx("$6", s[2], s[3], ("a8", "a9", "a12", "a13"))
              + e2m1_fragment_ptx("$7", s[2], s[3], ("a10", "a11", "a14", "a15")))
-    text += (f"{_MMA} {{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, {{${b}, ${b + 1}}}, {{{acc}}};\n"
-             f"{_MMA} {{d0, d1, d2, d3}}, {{a4, a5, a6, a7}}, {{${b + 2}, ${b + 3}}}, {{d0, d1, d2, d3}};\n"
-             f"{_MMA} {{d0, d1, d2, d3}}, {{a8, a9, a10, a11}}, {{${b + 4}, ${b + 5}}}, {{d0, d1, d2, d3}};\n"
-             f"{_MMA} {{$0, $1, $2, $3}}, {{a12, a13, a14, a15}}, {{${b + 6}, ${b + 7}}}, {{d0, d1, d2, d3}};\n}}")
+    text += (f"{_MMA} {{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, {{$9, $10}}, {{{acc}}};\n"
+             f"{_MMA} {{d0, d1, d2, d3}}, {{a4, a5, a6, a7}}, {{$11, $12}}, {{d0, d1, d2, d3}};\n"
+             f"{_MMA} {{d0, d1, d2, d3}}, {{a8, a9, a10, a11}}, {{$13, $14}}, {{d0, d1, d2, d3}};\n"
+             f"{_MMA} {{$0, $1, $2, $3}}, {{a12, a13, a14, a15}}, {{$15, $16}}, {{d0, d1, d2, d3}};\n}}")
     return text
 
 
-MMA_STEP_PTX = tl.constexpr(_mma_step_ptx(scale_word=False))  # NVFP4: the scales as biased bf16x2 pairs
-MMA_STEP_PTX_E8M0 = tl.constexpr(_mma_step_ptx(scale_word=True))  # MXFP4: the e8m0 word, paired in the PTX
+MMA_STEP_PTX = tl.constexpr(_mma_step_ptx(e8m0=False))  # NVFP4: the e4m3 word, paired in the PTX
+MMA_STEP_PTX_E8M0 = tl.constexpr(_mma_step_ptx(e8m0=True))  # MXFP4: the e8m0 word, likewise
+_MMA_STEP_CONSTRAINTS = tl.constexpr("=f,=f,=f,=f" + ",r" * 13 + ",f,f,f,f")
 
 # 16 bytes at $4 into $0..$3 where $5 != 0, else zeros (read-only data: the non-coherent path)
 _LD16 = tl.constexpr("""{
@@ -139,37 +154,23 @@ def _ld4(ptr, pred):
 
 
 @triton.jit
-def _scale_pair(byte):
-    """An e4m3 scale byte as the packed PTX's biased bf16 (`e4m3_bf16_biased`), in both halves of an int32."""
-    half = e4m3_bf16_biased(byte).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return half | (half << 16)
-
-
-@triton.jit
-def _weights(w_ptr, s_ptr, ok, SCALES: tl.constexpr):
-    """One K step's weight words and scales of a lane (zeros where not ``ok``): MXFP4's e8m0 word as loaded, NVFP4's
-    e4m3 bytes as biased bf16x2 pairs."""
+def _weights(w_ptr, s_ptr, ok):
+    """One K step's weight words and scale word of a lane (zeros where not ``ok``)."""
     w0, w1, w2, w3 = _ld16(w_ptr, ok)
-    words = _ld4(s_ptr, ok)
-    if SCALES == _NVFP4:
-        w = (w0, w1, w2, w3, _scale_pair(words & 255), _scale_pair((words >> 8) & 255),
-             _scale_pair((words >> 16) & 255), _scale_pair((words >> 24) & 255))
-    else:
-        w = (w0, w1, w2, w3, words)
-    return w
+    return w0, w1, w2, w3, _ld4(s_ptr, ok)
 
 
 @triton.jit
-def _loads(kk, ok, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s, GATED: tl.constexpr, SCALES: tl.constexpr):
+def _loads(kk, ok, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s, GATED: tl.constexpr):
     """Everything K step ``kk`` reads (``ok``: the step is in the split): the activations (8 words), the gate
     (or only) rows' weights and scales, the up rows'."""
     k0 = kk * 64 + t * 8
     a_lo = _ld16(x_ptrs + kk * 64, ok & tok_ok & (k0 < K))
     a_hi = _ld16(x_ptrs + kk * 64 + 32, ok & tok_ok & (k0 + 32 < K))
-    gate = _weights(w_ptrs + kk * 128, s_ptrs + kk * 32, ok, SCALES)
+    gate = _weights(w_ptrs + kk * 128, s_ptrs + kk * 32, ok)
     up = gate
     if GATED:  # the up rows: up_blocks further, same lanes, same activations
-        up = _weights(w_ptrs + up_w + kk * 128, s_ptrs + up_s + kk * 32, ok, SCALES)
+        up = _weights(w_ptrs + up_w + kk * 128, s_ptrs + up_s + kk * 32, ok)
     a = (a_lo[0], a_lo[1], a_lo[2], a_lo[3], a_hi[0], a_hi[1], a_hi[2], a_hi[3])
     return a, gate, up
 
@@ -177,17 +178,14 @@ def _loads(kk, ok, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s, GATED: tl.c
 @triton.jit
 def _mma(acc, a, w, SCALES: tl.constexpr):
     """``acc`` (4 floats per lane) plus the step's four MMAs on weights ``w`` (`_weights`), activations ``a``."""
+    args = [w[0], w[1], w[2], w[3], w[4], a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], acc[0], acc[1], acc[2],
+            acc[3]]
     if SCALES == _NVFP4:
-        out = tl.inline_asm_elementwise(
-            MMA_STEP_PTX, "=f,=f,=f,=f" + ",r" * 16 + ",f,f,f,f",
-            [w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7],
-             acc[0], acc[1], acc[2], acc[3]],
-            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+        out = tl.inline_asm_elementwise(MMA_STEP_PTX, _MMA_STEP_CONSTRAINTS, args,
+                                        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
     else:
-        out = tl.inline_asm_elementwise(
-            MMA_STEP_PTX_E8M0, "=f,=f,=f,=f" + ",r" * 13 + ",f,f,f,f",
-            [w[0], w[1], w[2], w[3], w[4], a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], acc[0], acc[1], acc[2],
-             acc[3]], dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+        out = tl.inline_asm_elementwise(MMA_STEP_PTX_E8M0, _MMA_STEP_CONSTRAINTS, args,
+                                        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
     return out
 
 
@@ -226,6 +224,26 @@ def _store(acc, acc_up, row, tok, ok, count, start, expert, sorted_ptr, bias_ptr
 
 
 @triton.jit
+def _span(fw_ptr, fs_ptr, expert, N, stride_fe, stride_fse, k_blocks, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What this program of an MMA tile reads (one element per thread, ``2 * BLOCK_N``): (element index, lane,
+    weight row ``row`` of its lane, K split, its first and last K blocks, the lane's fragment word and scale word
+    pointers at K block 0). Warp w owns 16-row block ``tile * W + w``: its K blocks are contiguous, 512 bytes of
+    words and 128 of scales each."""
+    idx = tl.arange(0, 2 * BLOCK_N)
+    lane = idx % 32
+    split = tl.program_id(0) % SPLITS
+    block = (tl.program_id(0) // SPLITS) * (BLOCK_N // 16) + idx // 32
+    row = block * 16 + lane // 4  # lane 4g + t's rows: row, row + 8
+    block = tl.minimum(block, cdiv_(N, 16) - 1)  # a tail warp re-reads the last block; never stored
+    per_split = cdiv_(k_blocks, SPLITS)
+    k_first = tl.minimum(split * per_split, k_blocks)
+    k_last = tl.minimum(k_first + per_split, k_blocks)
+    w_ptrs = fw_ptr + expert * stride_fe + (block * k_blocks * 32 + lane) * 4
+    s_ptrs = fs_ptr + expert * stride_fse + block * k_blocks * 32 + lane
+    return idx, lane, row, split, k_first, k_last, w_ptrs, s_ptrs
+
+
+@triton.jit
 def mma_program(a_ptr, fw_ptr, fs_ptr, wg_ptr, bias_ptr, out_ptr, part_ptr, sorted_ptr, expert, start, count,
                 N, K, stride_am, stride_fe, stride_fse, k_blocks, up_blocks, stride_be, stride_om, stride_ps,
                 stride_pm, alpha, beta, limit,
@@ -234,19 +252,10 @@ def mma_program(a_ptr, fw_ptr, fs_ptr, wg_ptr, bias_ptr, out_ptr, part_ptr, sort
                 ASM_UNBIAS: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
     """Program (N tile x K split, expert group) of an MMA tile: ``BLOCK_N`` weight rows (16 per warp) of
     ``expert`` over K blocks of 64, applied to the group's ``count`` slots 8 at a time."""
-    idx = tl.arange(0, 2 * BLOCK_N)
-    lane = idx % 32
+    idx, lane, row, split, k_first, k_last, w_ptrs, s_ptrs = _span(fw_ptr, fs_ptr, expert, N, stride_fe, stride_fse,
+                                                                   k_blocks, SPLITS, BLOCK_N)
     g = lane // 4
     t = lane % 4
-    split = tl.program_id(0) % SPLITS
-    block = (tl.program_id(0) // SPLITS) * (BLOCK_N // 16) + idx // 32
-    row = block * 16 + g  # lane 4g + t's rows: row, row + 8
-    block = tl.minimum(block, cdiv_(N, 16) - 1)  # a tail warp re-reads the last block; never stored
-    per_split = cdiv_(k_blocks, SPLITS)
-    k_first = tl.minimum(split * per_split, k_blocks)
-    k_last = tl.minimum(k_first + per_split, k_blocks)
-    w_ptrs = fw_ptr + expert * stride_fe + (block * k_blocks * 32 + lane) * 4
-    s_ptrs = fs_ptr + expert * stride_fse + block * k_blocks * 32 + lane
     up_w = up_blocks * k_blocks * 128
     up_s = up_blocks * k_blocks * 32
     global_scale = 1.0
@@ -264,15 +273,15 @@ def mma_program(a_ptr, fw_ptr, fs_ptr, wg_ptr, bias_ptr, out_ptr, part_ptr, sort
         acc, up = (zero, zero, zero, zero), (zero, zero, zero, zero)
         # UNROLL steps' loads first, then their MMAs: that many steps of bytes in flight per warp
         for kk in range(k_first, k_last, UNROLL):
-            first = _loads(kk, idx >= 0, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s, GATED, SCALES)
+            first = _loads(kk, idx >= 0, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s, GATED)
             if UNROLL >= 2:
                 second = _loads(kk + 1, idx * 0 + kk + 1 < k_last, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s,
-                                GATED, SCALES)
+                                GATED)
             if UNROLL == 4:
                 third = _loads(kk + 2, idx * 0 + kk + 2 < k_last, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s,
-                               GATED, SCALES)
+                               GATED)
                 fourth = _loads(kk + 3, idx * 0 + kk + 3 < k_last, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s,
-                                GATED, SCALES)
+                                GATED)
             acc, up = _step(acc, up, first, GATED, SCALES)
             if UNROLL >= 2:
                 acc, up = _step(acc, up, second, GATED, SCALES)
