@@ -70,9 +70,19 @@ def test_layer_goal_and_the_whole_board(tmp_path):
     assert "## bf16 at large M (Qwen3-30B-A3B): 0 of 1 met" in text  # 360 of 750 TFLOP/s
     # FlashInfer is a peer: it sets the bar at 800 / 1.1, and triton's 859 misses it
     assert "| 4096 | 859.0 (triton) | 923.4 (" in text and "800.0 (flashinfer_cutlass)" in text
-    assert "against the peers (vLLM's table; torch_grouped, flashinfer_cutlass timed in the run): 0 of 1 met" in text
+    assert "against the peers (vLLM's table; flashinfer_cutlass timed in the run): 0 of 1 met" in text
+    assert "\ntorch_grouped: not timed in these files, so no bar here counts them.\n" in text
     assert "## The whole layer at decode, layer over experts stage: 1 of 2 met" in text
     assert "## MXFP4 W4A16 decode (GPT-OSS-120B)\n\nnot measured in these files" in text
+
+
+def test_the_bf16_goal_names_only_the_baselines_the_files_timed(tmp_path):
+    """A run without FlashInfer (or torch_grouped) is judged against vLLM's table alone, and the board says so rather
+    than name the baselines as timed."""
+    records = [_record("qwen3-30b-a3b", "bf16", 1, "triton", 29.0, target=35.8)]
+    text = board.scoreboard([_bench(tmp_path, records)])
+    assert "## bf16 against the peers (vLLM's table; no baseline timed in the run): 1 of 1 met" in text
+    assert "\ntorch_grouped, flashinfer_cutlass: not timed in these files, so no bar here counts them.\n" in text
 
 
 def test_runs_of_two_machines_are_refused_by_name(tmp_path):
