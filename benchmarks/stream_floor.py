@@ -26,6 +26,7 @@ against it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -71,7 +72,8 @@ TMA_ROWS, TMA_COLS = 128, 64  # a TMA block: 128 rows of 64 bf16 (128 bytes, one
 TMA_STAGES = 4  # blocks in flight per program: 64 KB of shared memory, three programs per SM at most
 
 
-def _tma_stream_kernel():
+@functools.cache
+def _tma_kernel():
     """The Gluon kernel of the ``*-tma`` modes, built on first use (Gluon is experimental; CUDA only)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -135,15 +137,6 @@ def tma_launch(src: torch.Tensor, out: torch.Tensor, programs: int) -> None:
     grid = (triton.cdiv(n_blocks, per_program),)
     _tma_kernel()[grid](desc, out, n_blocks, per_program, ROWS=TMA_ROWS, COLS=TMA_COLS, STAGES=TMA_STAGES,
                         num_warps=1)
-
-
-_TMA_KERNEL = []
-
-
-def _tma_kernel():
-    if not _TMA_KERNEL:
-        _TMA_KERNEL.append(_tma_stream_kernel())
-    return _TMA_KERNEL[0]
 
 
 def launch(src: torch.Tensor, out: torch.Tensor, programs: int, pdl: int = PDL_NONE) -> None:
