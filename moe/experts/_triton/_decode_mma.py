@@ -224,26 +224,6 @@ def _store(acc, acc_up, row, tok, ok, count, start, expert, sorted_ptr, bias_ptr
 
 
 @triton.jit
-def _span(fw_ptr, fs_ptr, expert, N, stride_fe, stride_fse, k_blocks, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """What this program of an MMA tile reads (one element per thread, ``2 * BLOCK_N``): (element index, lane,
-    weight row ``row`` of its lane, K split, its first and last K blocks, the lane's fragment word and scale word
-    pointers at K block 0). Warp w owns 16-row block ``tile * W + w``: its K blocks are contiguous, 512 bytes of
-    words and 128 of scales each."""
-    idx = tl.arange(0, 2 * BLOCK_N)
-    lane = idx % 32
-    split = tl.program_id(0) % SPLITS
-    block = (tl.program_id(0) // SPLITS) * (BLOCK_N // 16) + idx // 32
-    row = block * 16 + lane // 4  # lane 4g + t's rows: row, row + 8
-    block = tl.minimum(block, cdiv_(N, 16) - 1)  # a tail warp re-reads the last block; never stored
-    per_split = cdiv_(k_blocks, SPLITS)
-    k_first = tl.minimum(split * per_split, k_blocks)
-    k_last = tl.minimum(k_first + per_split, k_blocks)
-    w_ptrs = fw_ptr + expert * stride_fe + (block * k_blocks * 32 + lane) * 4
-    s_ptrs = fs_ptr + expert * stride_fse + block * k_blocks * 32 + lane
-    return idx, lane, row, split, k_first, k_last, w_ptrs, s_ptrs
-
-
-@triton.jit
 def mma_program(a_ptr, fw_ptr, fs_ptr, wg_ptr, bias_ptr, out_ptr, part_ptr, sorted_ptr, expert, start, count,
                 N, K, stride_am, stride_fe, stride_fse, k_blocks, up_blocks, stride_be, stride_om, stride_ps,
                 stride_pm, alpha, beta, limit,
@@ -252,10 +232,19 @@ def mma_program(a_ptr, fw_ptr, fs_ptr, wg_ptr, bias_ptr, out_ptr, part_ptr, sort
                 ASM_UNBIAS: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
     """Program (N tile x K split, expert group) of an MMA tile: ``BLOCK_N`` weight rows (16 per warp) of
     ``expert`` over K blocks of 64, applied to the group's ``count`` slots 8 at a time."""
-    idx, lane, row, split, k_first, k_last, w_ptrs, s_ptrs = _span(fw_ptr, fs_ptr, expert, N, stride_fe, stride_fse,
-                                                                   k_blocks, SPLITS, BLOCK_N)
+    idx = tl.arange(0, 2 * BLOCK_N)
+    lane = idx % 32
     g = lane // 4
     t = lane % 4
+    split = tl.program_id(0) % SPLITS
+    block = (tl.program_id(0) // SPLITS) * (BLOCK_N // 16) + idx // 32
+    row = block * 16 + g  # lane 4g + t's rows: row, row + 8
+    block = tl.minimum(block, cdiv_(N, 16) - 1)  # a tail warp re-reads the last block; never stored
+    per_split = cdiv_(k_blocks, SPLITS)
+    k_first = tl.minimum(split * per_split, k_blocks)
+    k_last = tl.minimum(k_first + per_split, k_blocks)
+    w_ptrs = fw_ptr + expert * stride_fe + (block * k_blocks * 32 + lane) * 4
+    s_ptrs = fs_ptr + expert * stride_fse + block * k_blocks * 32 + lane
     up_w = up_blocks * k_blocks * 128
     up_s = up_blocks * k_blocks * 32
     global_scale = 1.0
