@@ -77,9 +77,9 @@ def _tma_kernel():
     """The Gluon kernel of the ``*-tma`` modes, built on first use (Gluon is experimental; CUDA only)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # Triton 3.6's name
+    from moe.experts._triton._gemm_wgmma import _tma_load as tma_load  # the TMA load under either Triton's name
 
     @gluon.jit
     def tma_stream_kernel(desc, out, n_blocks, blocks_per_program, ROWS: gl.constexpr, COLS: gl.constexpr,
@@ -107,15 +107,21 @@ def _tma_kernel():
     return tma_stream_kernel
 
 
+def _tma_layout():
+    """The shared-memory layout of a TMA block (bf16, 128-byte swizzle)."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([TMA_ROWS, TMA_COLS], gl.bfloat16)
+
+
 def tma_ptx(arch: int = 90) -> str:
     """The TMA kernel's PTX for ``arch``, compiled by the installed Triton without a GPU (the CPU's check of it; run
     where ``TRITON_INTERPRET`` is off)."""
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = _tma_kernel()
-    layout = gl.NVMMASharedLayout.get_default_for([TMA_ROWS, TMA_COLS], gl.bfloat16)
+    layout = _tma_layout()
     consts = dict(ROWS=TMA_ROWS, COLS=TMA_COLS, STAGES=TMA_STAGES)
     types = {"desc": f"tensordesc<bf16[{TMA_ROWS}, {TMA_COLS}],{layout!r}>", "out": "*i32"}
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -126,12 +132,10 @@ def tma_ptx(arch: int = 90) -> str:
 
 def tma_launch(src: torch.Tensor, out: torch.Tensor, programs: int) -> None:
     """The TMA kernel over all of ``src`` (int32 words, a whole number of 16 KB blocks) on ``programs`` programs."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     rows = src.view(torch.bfloat16).view(-1, TMA_COLS)
-    layout = gl.NVMMASharedLayout.get_default_for([TMA_ROWS, TMA_COLS], gl.bfloat16)
-    desc = TensorDescriptor(rows, list(rows.shape), [TMA_COLS, 1], [TMA_ROWS, TMA_COLS], layout)
+    desc = TensorDescriptor(rows, list(rows.shape), [TMA_COLS, 1], [TMA_ROWS, TMA_COLS], _tma_layout())
     n_blocks = rows.shape[0] // TMA_ROWS
     per_program = triton.cdiv(n_blocks, programs)
     grid = (triton.cdiv(n_blocks, per_program),)
