@@ -98,6 +98,7 @@ DOT_TILES = DecodeConfig(DecodeTile(32, 64, 1, 16, dot=True), DecodeTile(32, 64,
 DOT_SPLIT_TILES = DecodeConfig(DecodeTile(32, 64, 2, 16, dot=True), DecodeTile(32, 64, 2, 16, dot=True))
 DOT_FINISH_TILES = DecodeConfig(DecodeTile(32, 128, 2, 16, dot=True, finish=True),
                                 DecodeTile(32, 128, 2, 16, dot=True, finish=True))
+TMA_FINISH_TILES = DecodeConfig(*(replace(t, tma=True) for t in (DOT_FINISH_TILES.gemm1, DOT_FINISH_TILES.gemm2)))
 
 
 def decode(tokens, config, activation="swiglu_oai", quant="mxfp4"):
@@ -149,6 +150,7 @@ SCENARIOS = {
     "fp8 block expert map": lambda: standard("fp8_block", E=8, expert_map=EP_MAP, grouped=True),
     "fp8 block decode one token fma": lambda: decode(1, FMA_TILES, activation="silu", quant="fp8_block"),
     "fp8 block decode one token dot finish": lambda: decode(1, DOT_FINISH_TILES, activation="silu", quant="fp8_block"),
+    "fp8 block decode one token tma finish": lambda: decode(1, TMA_FINISH_TILES, activation="silu", quant="fp8_block"),
     "fp8 block decode grouped dot relu2": lambda: decode(3, DOT_TILES, activation="relu2", quant="fp8_block"),
     "mxfp4 swiglu_oai bias": lambda: standard("mxfp4", "swiglu_oai", bias=True),
     "nvfp4 weight-only": lambda: standard("nvfp4", grouped=True),
@@ -192,6 +194,7 @@ SWITCHES = {
     "moe.experts._triton._align.align_fused_kernel": {"HAS_MAP": BOTH},
     "moe.experts._triton._align.rank_kernel": {"HAS_MAP": BOTH},
     "moe.experts._triton._decode.decode_gemm_kernel": {"DOT": BOTH, "GROUPED": BOTH, "FUSED": BOTH, "FINISH": {0, 1, 2},
+                                                       "TMA": BOTH,
                                                        "SCALES": {QUANT_CODES[QuantFormat.MXFP4],
                                                                   QUANT_CODES[QuantFormat.NVFP4],
                                                                   QUANT_CODES[QuantFormat.MXFP8],
@@ -357,3 +360,18 @@ def test_launch_record_marks_multiples_of_16_but_not_bools_or_unspecialized_argu
     record = launches.launch_record(kernel, (x, 32, 33, True, 16), {"BLOCK": 8}, do_not_specialize=("stride",))
     assert record.divisible == ("a_ptr", "n")
     assert launches.launch_record(kernel, (x[1:], 48, 0, False, 3), {"BLOCK": 8}).divisible == ("n", "m")
+
+
+def test_the_tma_decode_tiles_load_their_weights_by_tma(records):
+    """``tma=True`` fp8 decode tiles (one token, finishing: the one-token configs' kind) compile for sm90 to TMA
+    loads of the weight tiles in the K loop, waited on by mbarrier; the same tile without it has none."""
+    tma = [r for r in records if r.name == "moe.experts._triton._decode.decode_gemm_kernel"
+           and dict(r.constexprs)["TMA"] and dict(r.constexprs)["GATED"]]
+    assert tma, "no gated tma=True decode launch recorded"
+    plain = replace(tma[0], constexprs=tuple((dict(tma[0].constexprs) | dict(TMA=False)).items()))
+    with launches.Compiler(workers=1) as compiler:
+        (error, ptx), (plain_error, plain_ptx) = [compiler.stage(launches.CompileJob(r, 90), "ptx").result()
+                                                  for r in (tma[0], plain)]
+    assert error is None and plain_error is None, (error, plain_error)
+    assert "cp.async.bulk.tensor.2d" in ptx and "mbarrier.try_wait" in ptx
+    assert "cp.async.bulk.tensor" not in plain_ptx

@@ -7,6 +7,7 @@ in-loop activation quantization gives `quantize_fp8_rows`' codes and scales bit 
 
 import os
 import shutil
+import dataclasses
 from types import SimpleNamespace
 
 if not shutil.which("nvidia-smi"):  # a CPU machine: the interpreter, before triton decorates any kernel
@@ -187,3 +188,42 @@ def test_fp8_decode_quantizes_activations_as_quantize_fp8_rows(tile, fmt):
     assert torch.equal(got, want)
     assert scale[0, 0] < 1e-5 and scale[3, 0] > 0.5  # the case covers what it claims
     assert not block or scale[1, 0] == 1.0
+
+
+TMA_TILES = {
+    # H = 160: GEMM1's second K step is 32 columns (TMA's zero fill past K); I = 96: GEMM1's N tiles of 32, the
+    # up rows 96 further in the descriptor's rows; GEMM2 a 64-column tile past its 160 rows (the next expert's)
+    "one-split": DecodeConfig(DecodeTile(32, 128, 1, 16, dot=True, tma=True),
+                              DecodeTile(64, 128, 1, 16, dot=True, tma=True)),
+    # a 128-column step in two 64-column descriptor loads, two K splits, finishing tiles
+    "pieces-finish": DecodeConfig(DecodeTile(32, 64, 2, 16, dot=True, finish=True, tma=True),
+                                  DecodeTile(32, 64, 2, 16, dot=True, finish=True, tma=True)),
+}
+
+
+@pytest.mark.parametrize("quant", ["fp8_block", "fp8_token"])
+@pytest.mark.parametrize("name", list(TMA_TILES))
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_fp8_decode_tma_tiles_equal_the_pointer_tiles(quant, name, num_tokens, monkeypatch):
+    """``tma=True`` tiles load the weights by descriptor: the same tiles with pointer loads give the same bits
+    (every product and sum is the same; only the loads differ), and both agree with the reference."""
+    config = TMA_TILES[name]
+    pointers = DecodeConfig(*(dataclasses.replace(t, tma=False) for t in (config.gemm1, config.gemm2)))
+    p = qwen_like(quant)
+    torch.manual_seed(num_tokens)
+    by_tma, _, ref = run_both(p, num_tokens, config, monkeypatch)
+    torch.manual_seed(num_tokens)
+    by_pointers, _, _ = run_both(p, num_tokens, pointers, monkeypatch)
+    assert torch.equal(by_tma, by_pointers)
+    assert_close_moe(by_tma, ref, regime_for(p), context=f"{quant} tma decode M={num_tokens} {name}")
+
+
+def test_fp8_decode_tma_tiles_reject_what_they_cannot_load(monkeypatch):
+    """A TMA decode tile is a tensor-core tile of fp8 W8A8 weights: an FMA or MMA one, or fp4 weights, is refused
+    with the reason."""
+    with pytest.raises(MoEConfigError, match="tma=True decode tiles are tensor-core tiles.*dot=False"):
+        DecodeTile(32, 128, 1, 1, dot=False, tma=True)
+    w = WeightOperand(torch.zeros(2, 64, 16, dtype=torch.uint8), torch.zeros(2, 64, 1, dtype=torch.uint8), None,
+                      QuantFormat.MXFP4)
+    with pytest.raises(MoEConfigError, match="tma=True decode tiles run fp8 W8A8 weights.*got mxfp4"):
+        decode._check_tma(torch.zeros(1, 32), w)

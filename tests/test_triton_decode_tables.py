@@ -132,3 +132,20 @@ def test_a_tiles_entry_runs_the_decode_path_with_its_tiles(fp8_case):
     own = {"gemm1": dict(TILE, block_n=32), "gemm2": dict(TILE, block_n=64)}
     run(experts, dataclasses.replace(prepared, configs=table({"1": own}, prepared.configs.key)), x, topk)
     assert ran == [DecodeConfig(DecodeTile(**own["gemm1"]), DecodeTile(**own["gemm2"]))]
+
+
+def test_a_tma_decode_entry_makes_its_descriptors_at_load():
+    """A table's ``tma=True`` decode tiles get their weight descriptors when the weights are prepared (their checks
+    then, not at the first forward); fp4 weights, which TMA tiles cannot load, are refused there naming the scheme."""
+    from moe.experts._triton.weights import prepare_triton_weights
+
+    tma = dict(TILE, tma=True)
+    section = {"1": {"gemm1": tma, "gemm2": dict(tma, block_n=32)}}
+    p = make_problem("fp8_block")
+    prepared = prepare_triton_weights(make_weights(p), None, table(section))
+    assert (64, 128) in prepared.w13.descriptors and (32, 128) in prepared.w2.descriptors
+    assert (32, 128) not in prepared.w13.descriptors
+    fp4 = make_problem("mxfp4")
+    with pytest.raises(MoEConfigError, match="tma=True needs contiguous dense or fp8 weights.*mxfp4"):
+        prepare_triton_weights(make_weights(fp4), None, table(section, config_key(fp4, "standard",
+                                                                                  torch.device("cpu"))))

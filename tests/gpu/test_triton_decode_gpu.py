@@ -202,11 +202,13 @@ def test_nvfp4_decode_cuda_graph_replay_equals_eager(tokens):
 FP8_FMA = DecodeTile(32, 64, 2, 4, dot=False, asm=False)
 FP8_DOT = DecodeTile(64, 128, 2, 16, dot=True, asm=False)
 FP8_DOT_FINISH = replace(FP8_DOT, splits=4, finish=True)  # a program per slot at any M, no epilogue launch
+FP8_TMA_FINISH = replace(FP8_DOT_FINISH, block_n=128, tma=True)  # the weights by TMA descriptor
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 16, 32])  # 32 x k = 8: DECODE_MAX_SLOTS, the decode path's last M
-@pytest.mark.parametrize("tiles", [None, (FP8_FMA, FP8_DOT), (FP8_DOT, FP8_FMA), (FP8_DOT_FINISH, FP8_DOT_FINISH)],
-                         ids=["default", "fma", "dot", "dot-finish"])
+@pytest.mark.parametrize("tiles", [None, (FP8_FMA, FP8_DOT), (FP8_DOT, FP8_FMA), (FP8_DOT_FINISH, FP8_DOT_FINISH),
+                                   (FP8_TMA_FINISH, FP8_TMA_FINISH), (FP8_TMA_FINISH, FP8_DOT)],
+                         ids=["default", "fma", "dot", "dot-finish", "tma-finish", "tma-dot"])
 @pytest.mark.parametrize("quant", ["fp8_block", "fp8_token"])
 def test_qwen3_fp8_decode_matches_grouped_gemm_and_reference(quant, tokens, tiles, monkeypatch):
     """The decode kernels against the grouped GEMM on the same quantized operands (the activation codes
@@ -231,6 +233,29 @@ def test_qwen3_fp8_decode_matches_grouped_gemm_and_reference(quant, tokens, tile
 
 def gpt_oss_fp8(tokens):
     return problem("fp8_block", "swiglu_oai", E=128, k=4, H=2880, I=2880, bias=True, max_tokens=tokens)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_gpt_oss_fp8_tma_tiles_match_the_pointer_tiles(tokens, monkeypatch):
+    """GPT-OSS-120B's shape by TMA descriptor: K = 2880 ends in half a 128-column step (TMA's zero fill), I = 2880
+    in half a 128-row tile (the tail reads the up rows, never stored); against the same tiles with pointer loads,
+    the grouped GEMM and the reference."""
+    p = gpt_oss_fp8(tokens)
+    weights = weights_for(p)
+    experts = TritonExperts(p)
+    prepared = experts.prepare_weights(weights)
+    d = dispatched_for(p, tokens)
+    outs = {}
+    for tma in (True, False):
+        tile = replace(FP8_TMA_FINISH, tma=tma)
+        monkeypatch.setattr("moe.experts.triton.fp8_decode_config", lambda m, *table: DecodeConfig(tile, tile))
+        outs[tma] = run(experts, d, prepared).float().clone()
+    monkeypatch.setattr("moe.experts.triton.uses_decode", lambda *a: False)
+    grouped = run(experts, d, prepared).float()
+    context = f"gpt-oss fp8_block tma decode M={tokens}"
+    assert_close_moe(outs[True], outs[False], "bf16", context=context + " vs pointer loads")
+    assert_close_moe(outs[True], grouped, "bf16", context=context + " vs grouped GEMM")
+    assert_close_moe(outs[True], reference(p, d.x.data, d.topk, weights), regime_for(p), context=context + " vs reference")
 
 
 def deepseek_slice_fp8(tokens):
@@ -264,10 +289,11 @@ def test_a_shapes_own_fp8_decode_entries_match_the_grouped_gemm(shape, tokens, m
     assert_close_moe(out, reference(p, d.x.data, d.topk, weights), regime_for(p), context=context + " vs reference")
 
 
-def test_fp8_finish_tiles_cuda_graph_replay_equals_eager(monkeypatch):
+@pytest.mark.parametrize("tile", [FP8_DOT_FINISH, FP8_TMA_FINISH], ids=["pointers", "tma"])
+def test_fp8_finish_tiles_cuda_graph_replay_equals_eager(tile, monkeypatch):
     """One token on tensor-core tiles that finish their own split epilogue: the tickets are back at 0 after
     each launch, so every replay equals an eager call bit for bit."""
-    monkeypatch.setattr("moe.experts.triton.fp8_decode_config", lambda m, *table: DecodeConfig(FP8_DOT_FINISH, FP8_DOT_FINISH))
+    monkeypatch.setattr("moe.experts.triton.fp8_decode_config", lambda m, *table: DecodeConfig(tile, tile))
     p = qwen3(1)
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(weights_for(p))

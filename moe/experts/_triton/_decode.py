@@ -345,15 +345,15 @@ def _group(g, ids_ptr, map_ptr, counts_ptr, ends_ptr, num_local,
 @triton.jit(do_not_specialize=["num_local"])
 def decode_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, wg_ptr, bias_ptr, out_ptr, part_ptr, ids_ptr, map_ptr, counts_ptr, ends_ptr, sorted_ptr,
-    tickets_ptr, topk_w_ptr, fw_ptr, fs_ptr,
-    num_local, N, K, stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be,
+    tickets_ptr, topk_w_ptr, fw_ptr, fs_ptr, w_desc,
+    num_local, N, K, w_rows, stride_am, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_be,
     stride_om, stride_ps, stride_pm, stride_fe, stride_fse, k_blocks, up_blocks, alpha, beta, limit,
     GROUPED: tl.constexpr, HAS_MAP: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, FUSED: tl.constexpr, FINISH: tl.constexpr,
     TOP_K: tl.constexpr, SPLITS: tl.constexpr,
     E_PAD: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr,
     SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    MMA: tl.constexpr, PDL: tl.constexpr,
+    MMA: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr,
 ):
     if PDL == _PDL_CHAINED:  # the routing this reads may still be being written
         gdc_wait()
@@ -376,7 +376,8 @@ def decode_gemm_kernel(
                             limit, GATED, ACTIVATION, HAS_BIAS, FINISH, TOP_K, SPLITS, BLOCK_N)
         return
     split = tl.program_id(0) % SPLITS
-    offs_n = (tl.program_id(0) // SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = (tl.program_id(0) // SPLITS) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_n = offs_n % N  # the tail's extra columns re-read valid ones; they are never stored
     if SCALES == _FP8_BLOCK or SCALES == _FP8_ROW:  # K steps of 128 columns (_decode_fp8.py)
@@ -398,9 +399,10 @@ def decode_gemm_kernel(
             slots = start + rows * 0
         slots = slots.to(tl.int64)
         if SCALES == _FP8_BLOCK or SCALES == _FP8_ROW:  # W8A8: the activations quantized inside the loop
-            acc, acc_up = fp8_k_loop(a_ptr, slots // A_ROW_DIV, row_ok, stride_am, w_base, stride_wn, ws_base,
-                                     stride_wsn, stride_wsk, offs_n, N, K, k_first, k_last,
-                                     GATED, SCALES == _FP8_ROW, EVEN_K, DOT, BLOCK_M, BLOCK_N, BLOCK_K)
+            acc, acc_up = fp8_k_loop(a_ptr, slots // A_ROW_DIV, row_ok, stride_am, w_base, w_desc,
+                                     (expert * w_rows + n0).to(tl.int32), stride_wn, ws_base, stride_wsn,
+                                     stride_wsk, offs_n, N, K, k_first, k_last,
+                                     GATED, SCALES == _FP8_ROW, EVEN_K, DOT, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
         else:
             if DOT:  # transposed (see `_accumulate`)
                 acc = tl.full([BLOCK_N, BLOCK_M], 0, tl.float32)

@@ -61,13 +61,15 @@ def _accumulate(acc, q, a_scale, w, w_scale, DOT: tl.constexpr):
 
 
 @triton.jit
-def _group_step(acc, x, a_scale, a_ptrs, row_ok, w_ptrs, w_scale, k0, K,
-                EVEN_K: tl.constexpr, DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr):
+def _group_step(acc, x, a_scale, a_ptrs, row_ok, w_ptrs, w_desc, w_row, w_scale, k0, K,
+                EVEN_K: tl.constexpr, DOT: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One 128-column K step of one weight half (gate or up): ``x`` its activations (float32, ``[BLOCK_M,
     128]``) and ``a_scale [BLOCK_M]`` theirs, ``a_ptrs`` / ``w_ptrs`` its first piece's ``[BLOCK_M, BLOCK_K]``
     / ``[BLOCK_K, BLOCK_N]`` pointers, ``w_scale [BLOCK_N]`` the tile rows' weight scales (fp8_block: one
-    n-block's, or two where the tile straddles blocks: the up rows when I is not a multiple of 128)."""
+    n-block's, or two where the tile straddles blocks: the up rows when I is not a multiple of 128).
+    ``TMA``: the weights come instead by descriptor, ``[BLOCK_N, BLOCK_K]`` blocks from row ``w_row`` of
+    ``w_desc`` (TMA zero-fills the columns past K, as the masked loads read them)."""
     if DOT:
         part = tl.full([BLOCK_N, BLOCK_M], 0, tl.float32)
     else:
@@ -79,7 +81,10 @@ def _group_step(acc, x, a_scale, a_ptrs, row_ok, w_ptrs, w_scale, k0, K,
         else:
             xs = _load_rows(a_ptrs + piece * BLOCK_K, row_ok, k_ok, EVEN_K)
         q = _to_e4m3(xs, a_scale[:, None])
-        w = _load_weights(w_ptrs + piece * BLOCK_K, k_ok, EVEN_K)
+        if TMA:
+            w = w_desc.load([w_row, k0 + piece * BLOCK_K]).T
+        else:
+            w = _load_weights(w_ptrs + piece * BLOCK_K, k_ok, EVEN_K)
         part = _accumulate(part, q, a_scale, w, w_scale, DOT)
     if DOT:
         acc += part * (w_scale[:, None] * a_scale[None, :])
@@ -100,14 +105,15 @@ def _weight_scales(ws_ptrs, kk, stride_wsk, ROWWISE: tl.constexpr):
 
 
 @triton.jit
-def fp8_k_loop(a_ptr, a_rows, row_ok, stride_am, w_base, stride_wn, ws_base, stride_wsn, stride_wsk,
-               offs_n, N, K, k_first, k_last,
+def fp8_k_loop(a_ptr, a_rows, row_ok, stride_am, w_base, w_desc, w_row, stride_wn, ws_base, stride_wsn,
+               stride_wsk, offs_n, N, K, k_first, k_last,
                GATED: tl.constexpr, ROWWISE: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """K steps ``k_first .. k_last - 1`` (128 columns each) of one row chunk: ``(acc, acc_up)``, float32
     ``[BLOCK_M, BLOCK_N]`` (the up half's stays 0 unless ``GATED``). Weights ``[N(, up rows N further), K]``
     K-contiguous; scales ``[n block, group]`` (fp8_block) or ``[n, 1]`` (``ROWWISE``), the layouts the
-    grouped GEMM reads."""
+    grouped GEMM reads. ``TMA`` (tensor-core tiles): the weights by descriptor, ``w_desc`` the weights as
+    ``[E * rows, K]`` and ``w_row`` the tile's first gate row there."""
     if DOT:
         acc = tl.full([BLOCK_N, BLOCK_M], 0, tl.float32)
     else:
@@ -132,13 +138,13 @@ def fp8_k_loop(a_ptr, a_rows, row_ok, stride_am, w_base, stride_wn, ws_base, str
         else:
             step_scale = _group_scales(x)
         a_ptrs = a_rows_ptr + k0 + piece[None, :]
-        acc = _group_step(acc, x, step_scale, a_ptrs, row_ok, w_ptrs + k0,
-                          _weight_scales(ws_ptrs, kk, stride_wsk, ROWWISE), k0, K, EVEN_K, DOT, BLOCK_M, BLOCK_N,
-                          BLOCK_K)
+        acc = _group_step(acc, x, step_scale, a_ptrs, row_ok, w_ptrs + k0, w_desc, w_row,
+                          _weight_scales(ws_ptrs, kk, stride_wsk, ROWWISE), k0, K, EVEN_K, DOT, TMA, BLOCK_M,
+                          BLOCK_N, BLOCK_K)
         if GATED:  # the up rows: N further down, their scales those of rows N + n
-            acc_up = _group_step(acc_up, x, step_scale, a_ptrs, row_ok, w_ptrs + N * stride_wn + k0,
-                                 _weight_scales(ws_up_ptrs, kk, stride_wsk, ROWWISE), k0, K, EVEN_K, DOT, BLOCK_M,
-                                 BLOCK_N, BLOCK_K)
+            acc_up = _group_step(acc_up, x, step_scale, a_ptrs, row_ok, w_ptrs + N * stride_wn + k0, w_desc,
+                                 w_row + N, _weight_scales(ws_up_ptrs, kk, stride_wsk, ROWWISE), k0, K, EVEN_K, DOT,
+                                 TMA, BLOCK_M, BLOCK_N, BLOCK_K)
     if DOT:
         acc, acc_up = tl.trans(acc), tl.trans(acc_up)
     else:

@@ -73,7 +73,8 @@ class DecodeTile:
     read once per slot -- a choice for a few tokens (one token's k experts are distinct: always a program per slot).
     ``mma`` (MXFP4 / NVFP4 x bfloat16 where `mma_ready` holds): the MMA-fragment program (`_decode_mma`), 16 weight
     rows per warp (``block_n = 16 * num_warps``), 8 tokens per pass (``block_m = 8``), K steps of 64 loaded
-    ``block_k / 64`` at a time; ``dot`` off, ``asm`` implied (`mma_tile` builds one)."""
+    ``block_k / 64`` at a time; ``dot`` off, ``asm`` implied (`mma_tile` builds one). ``tma`` (fp8 tensor-core
+    tiles, SM90): the weight tiles by TMA descriptor (`WeightOperand.descriptor`) instead of pointer loads."""
 
     block_n: int = 32
     block_k: int = 128
@@ -85,10 +86,14 @@ class DecodeTile:
     num_stages: int = 3
     finish: bool = False
     mma: bool = False
+    tma: bool = False
 
     def __post_init__(self):
         if not 1 <= self.splits <= MAX_SPLITS:
             raise MoEConfigError(f"splits must be in 1..{MAX_SPLITS} (got {self.splits})")
+        if self.tma and (not self.dot or self.mma):
+            raise MoEConfigError(f"tma=True decode tiles are tensor-core tiles: dot=True, mma=False "
+                                 f"(got dot={self.dot}, mma={self.mma})")
         if self.mma:  # one fragment block per warp and K step; 8 tokens, the MMA's N (`_decode_mma`)
             if self.dot or self.block_m != 8 or self.block_k not in (64, 128, 256) or \
                     self.block_n != 16 * self.num_warps:
@@ -393,6 +398,8 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor | None, part: tor
                              f"(got {tile.block_m}); use dot=True for 16-row tiles")
     if tile.mma:
         _check_mma(a, w, n_out, gated, asm)
+    if tile.tma:
+        _check_tma(a, w)
     fused = tile.splits == 1 and out is not None and activation is not None
     to_out = fused or finish != 0
     has_map = routing.expert_map is not None
@@ -405,7 +412,8 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor | None, part: tor
         routing.ids, routing.expert_map if has_map else routing.ids, routing.counts, routing.ends,
         routing.sorted_slots, tickets if finish else routing.ids, topk_weights if finish else part,
         frags.words if frags else dummy, frags.scales if frags else dummy,
-        routing.num_local, n_out, k, a.stride(0), w.data.stride(0), w.data.stride(1),
+        w.descriptor(tile.block_n, tile.block_k) if tile.tma else None,
+        routing.num_local, n_out, k, w.data.shape[1], a.stride(0), w.data.stride(0), w.data.stride(1),
         *w.scale.stride(),
         w.bias.stride(0) if w.bias is not None else 0, (out if to_out else part).stride(-2),
         part.stride(0), part.stride(1), frags.words.stride(0) if frags else 0, frags.scales.stride(0) if frags else 0,
@@ -415,11 +423,21 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor | None, part: tor
         FUSED=fused, FINISH=finish, TOP_K=top_k, SPLITS=tile.splits, E_PAD=experts_pad(routing.num_local),
         EVEN_K=k % (FP8_GROUP_SIZE if fp8 else tile.block_k) == 0,
         IEEE=a.dtype == torch.float32, DOT=tile.dot, ASM=asm, SCALES=QUANT_CODES[w.fmt], BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages, MMA=tile.mma, PDL=pdl,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages, MMA=tile.mma, PDL=pdl, TMA=tile.tma,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
         # a launch option Triton 3.4 added
         **({"launch_pdl": True} if pdl in (kernels("decode").PDL_SECOND, kernels("decode").PDL_CHAINED) else {}),
     )
+
+
+def _check_tma(a: torch.Tensor, w: WeightOperand) -> None:
+    """``tma=True`` decode tiles: fp8 W8A8 weights (`WeightOperand.descriptor` checks their rows), on a GPU with
+    TMA (SM90+) or in the interpreter (which loads descriptors as the GPU does)."""
+    if w.fmt not in FP8_DECODE_FORMATS:
+        raise MoEConfigError(f"tma=True decode tiles run fp8 W8A8 weights (got {w.fmt.value}); use tma=False")
+    if a.is_cuda and torch.cuda.get_device_capability(a.device) < (9, 0):
+        raise MoEConfigError("tma=True decode tiles load weights by TMA, which needs SM90+ (got SM{}{}); use "
+                             "tma=False here".format(*torch.cuda.get_device_capability(a.device)))
 
 
 def mma_ready(weights: TritonWeights, x: torch.Tensor) -> bool:
