@@ -66,8 +66,9 @@ def mma_tile(splits: int, warps: int, unroll: int = 1, finish: int = 0) -> Decod
 
 
 def parse_tiles(text: str) -> list[DecodeTile]:
-    """``n:k:splits:block_m:warps:stages[:finish]`` tiles, comma-separated (block_m 1..8: float32 FMAs, else
-    tensor cores; finish 1: the FMA tile applies the split epilogue itself), all with the PTX dequantization;
+    """``n:k:splits:block_m:warps:stages[:finish[:tma]]`` tiles, comma-separated (block_m 1..8: float32 FMAs, else
+    tensor cores; finish 1: the tile applies the split epilogue itself; tma 1: an fp8 tensor-core tile loads its
+    weights by TMA, `DecodeTile.tma`), all with the PTX dequantization;
     or ``mma:splits:warps[:unroll[:finish]]``, an MMA-fragment tile (`DecodeTile.mma`; unroll: K steps of 64 per
     load)."""
     tiles = []
@@ -76,11 +77,12 @@ def parse_tiles(text: str) -> list[DecodeTile]:
             tiles.append(mma_tile(*(int(v) for v in item[4:].split(":"))))
             continue
         fields = [int(v) for v in item.split(":")]
-        if len(fields) not in (6, 7):
-            raise SystemExit(f"--tiles: {item!r} is not n:k:splits:block_m:warps:stages[:finish]")
+        if len(fields) not in (6, 7, 8):
+            raise SystemExit(f"--tiles: {item!r} is not n:k:splits:block_m:warps:stages[:finish[:tma]]")
         n, k, splits, block_m, warps, stages = fields[:6]
-        finish = len(fields) == 7 and fields[6] == 1
-        tiles.append(DecodeTile(n, k, splits, block_m, block_m >= 16, True, warps, stages, finish))
+        finish = len(fields) >= 7 and fields[6] == 1
+        tma = len(fields) == 8 and fields[7] == 1
+        tiles.append(DecodeTile(n, k, splits, block_m, block_m >= 16, True, warps, stages, finish, tma=tma))
     return tiles
 
 
@@ -98,7 +100,7 @@ FP8_DOT_TILES = [(64, 128, 1, 4, 3), (64, 128, 2, 4, 3), (128, 128, 1, 8, 3), (3
 
 
 def candidates(tokens: int, only: list[DecodeTile] | None = None, quant: str = "mxfp4",
-               fp8_fma: bool = False) -> list[DecodeTile]:
+               fp8_fma: bool = False, tma: bool = False) -> list[DecodeTile]:
     if only:
         return list(only)
     if quant == "fp8_block":
@@ -106,8 +108,10 @@ def candidates(tokens: int, only: list[DecodeTile] | None = None, quant: str = "
         tiles = [DecodeTile(n, k, s, block_m, False, False, w, st) for n, k, s, w, st in FP8_FMA_TILES] \
             if fp8_fma and tokens <= 16 else []
         finishes = (False, True) if tokens == 1 else (False,)
-        return tiles + [DecodeTile(n, k, s, 16, True, False, w, st, finish) for n, k, s, w, st in FP8_DOT_TILES
-                        for finish in finishes if s > 1 or not finish]
+        loads = (False, True) if tma else (False,)  # tensor-core tiles by pointers, and by TMA where asked
+        return tiles + [DecodeTile(n, k, s, 16, True, False, w, st, finish, tma=by_tma)
+                        for n, k, s, w, st in FP8_DOT_TILES for finish in finishes if s > 1 or not finish
+                        for by_tma in loads]
     tiles = []
     if tokens <= 16:  # fp4 / MXFP8 FMA tiles take one row at a time (decode.py checks block_m == 1)
         tiles += [DecodeTile(n, k, s, 1, False, asm, w, st, finish) for n, k, s, w, st, asm in FMA_TILES
@@ -139,8 +143,8 @@ def close(out: torch.Tensor, want: torch.Tensor) -> bool:
 class Sweep:
     """Times decode configs at one M on fixed inputs (monkeypatching the experts' config lookup)."""
 
-    def __init__(self, problem, weights, inputs, device, want, deadline, fp8_fma=False):
-        self.fp8_fma = fp8_fma
+    def __init__(self, problem, weights, inputs, device, want, deadline, fp8_fma=False, tma=False):
+        self.fp8_fma, self.tma = fp8_fma, tma
         self.cls = triton_experts.TritonExperts
         self.experts = self.cls(problem)
         self.prepared = self.experts.prepare_weights(weights)
@@ -170,7 +174,7 @@ class Sweep:
         return us
 
     def best(self, tokens: int, only: list[DecodeTile] | None = None) -> tuple[DecodeConfig | None, float]:
-        tiles = candidates(tokens, only, self.problem.quant_name, self.fp8_fma)
+        tiles = candidates(tokens, only, self.problem.quant_name, self.fp8_fma, self.tma)
         timed = [(self.time(DecodeConfig(t, t)), t) for t in tiles]
         timed = [(us, t) for us, t in timed if us is not None]
         if not timed:
@@ -203,7 +207,10 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", default="gpt-oss-120b")
     parser.add_argument("--quant", default="mxfp4", choices=sorted(BITS))
     parser.add_argument("--fp8-fma", action="store_true", help="fp8_block: sweep the FMA tiles too")
-    parser.add_argument("--tiles", default=None, help="sweep only these tiles: n:k:splits:block_m:warps:stages,...")
+    parser.add_argument("--tma", action="store_true",
+                        help="fp8_block: every tensor-core tile also loading its weights by TMA (SM90+)")
+    parser.add_argument("--tiles", default=None,
+                        help="sweep only these tiles: n:k:splits:block_m:warps:stages[:finish[:tma]],...")
     args = parser.parse_args(argv)
     import moe.experts.flashinfer_cutlass  # noqa: F401 -- registers the peer
     from moe.platform import Platform
@@ -228,7 +235,7 @@ def main(argv=None) -> int:
         want = grouped_calls[0]().out.clone()
         grouped = time_calls(grouped_calls, True)
         triton_experts.uses_decode = uses_decode
-        sweep = Sweep(problem, weights, inputs, device, want, deadline, args.fp8_fma)
+        sweep = Sweep(problem, weights, inputs, device, want, deadline, args.fp8_fma, args.tma)
         config, best = sweep.best(m, parse_tiles(args.tiles) if args.tiles else None)
         triton_experts.decode_config, triton_experts.fp8_decode_config = decode_config, fp8_decode_config
         fi = peer_us("flashinfer_cutlass", problem, weights, inputs, device, platform)
@@ -257,7 +264,7 @@ def table(rows) -> str:
 def _short(t: DecodeTile) -> str:
     kind = f"mma m8 u{t.block_k // 64}" if t.mma else f"dot m{t.block_m}" if t.dot else f"fma m{t.block_m}"
     return (f"{kind} n{t.block_n} k{t.block_k} s{t.splits} w{t.num_warps} st{t.num_stages}{' asm' if t.asm else ''}"
-            f"{' finish' if t.finish else ''}")
+            f"{' finish' if t.finish else ''}{' tma' if t.tma else ''}")
 
 
 if __name__ == "__main__":
