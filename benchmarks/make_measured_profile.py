@@ -107,7 +107,9 @@ MACHINES = {
         # M = 9 entry, which ships only up to 13 (a tie at 14 in one process: fp4_gemv_decode_nvidia-h200.md)
         "fp4_gemv_s25_tables_bench_m4-8_nvidia-h200.json": ("records", None),
         "fp4_gemv_s25_tables_bench_m7-16_nvidia-h200.json": ("records", None),
-    }, "measured on nvidia-h200 (2026-11-22 to 2026-12-02; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
+        # session 28: the fp8_block tables' decode entries on TMA tiles (Qwen3, GPT-OSS, the DeepSeek slice), M = 1-32
+        "fp8_decode_s28_tables_bench_nvidia-h200.json": ("records", None),
+    }, "measured on nvidia-h200 (2026-11-22 to 2026-12-03; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
        "benchmarks/flashinfer_bench.py / benchmarks/ep_all_to_all.py"),
     "nvidia-h100": Machine("h100", {
         "bf16_qwen3_mixtral_nvidia-h100.json": ("records", None),
