@@ -134,18 +134,20 @@ def test_a_tiles_entry_runs_the_decode_path_with_its_tiles(fp8_case):
     assert ran == [DecodeConfig(DecodeTile(**own["gemm1"]), DecodeTile(**own["gemm2"]))]
 
 
-def test_a_tma_decode_entry_makes_its_descriptors_at_load():
-    """A table's ``tma=True`` decode tiles get their weight descriptors when the weights are prepared (their checks
-    then, not at the first forward); fp4 weights, which TMA tiles cannot load, are refused there naming the scheme."""
-    from moe.experts._triton.weights import prepare_triton_weights
-
+def test_a_tma_decode_entry_makes_its_descriptors_at_load(monkeypatch):
+    """A table's ``tma=True`` decode tiles get their weight descriptors when the experts prepare the weights (their
+    checks then, not at the first forward; an entry's left-out fields take DecodeTile's defaults); fp4 weights, which
+    TMA tiles cannot load, are refused there naming the scheme."""
     tma = dict(TILE, tma=True)
-    section = {"1": {"gemm1": tma, "gemm2": dict(tma, block_n=32)}}
-    p = make_problem("fp8_block")
-    prepared = prepare_triton_weights(make_weights(p), None, table(section))
-    assert (64, 128) in prepared.w13.descriptors and (32, 128) in prepared.w2.descriptors
-    assert (32, 128) not in prepared.w13.descriptors
-    fp4 = make_problem("mxfp4")
-    with pytest.raises(MoEConfigError, match="tma=True needs contiguous dense or fp8 weights.*mxfp4"):
-        prepare_triton_weights(make_weights(fp4), None, table(section, config_key(fp4, "standard",
-                                                                                  torch.device("cpu"))))
+    gemm2 = {k: v for k, v in dict(tma, block_n=32).items() if k != "block_k"}  # DecodeTile's default block_k, 128
+    section = {"1": {"gemm1": tma, "gemm2": gemm2}}
+    for quant in ("fp8_block", "mxfp4"):
+        p = make_problem(quant)
+        monkeypatch.setattr(cfg.ConfigTable, "load", lambda key, *a, **kw: table(section, key))
+        if quant == "mxfp4":
+            with pytest.raises(MoEConfigError, match="tma=True needs contiguous dense or fp8 weights.*mxfp4"):
+                TritonExperts(p).prepare_weights(make_weights(p))
+            continue
+        prepared = TritonExperts(p).prepare_weights(make_weights(p))
+        assert (64, 128) in prepared.w13.descriptors and (32, 128) in prepared.w2.descriptors
+        assert (32, 128) not in prepared.w13.descriptors

@@ -40,7 +40,7 @@ from moe.experts._triton.align import align_block_size
 from moe.experts._triton.align import workspace_buffers as align_buffers
 from moe.experts._triton.config import BLOCK_MS, ConfigTable
 from moe.experts._triton.decode import FP8_DECODE_FORMATS, decode_config, decode_experts, decodes, uses_decode
-from moe.experts._triton.decode import decode_tickets, fp8_decode_config
+from moe.experts._triton.decode import decode_tickets, fp8_decode_config, make_descriptors
 from moe.experts._triton.decode import workspace_buffers as decode_buffers
 from moe.experts._triton.gemm import DirectRows, SortedRows, grouped_gemm
 from moe.experts._triton.gemm_tma_a import sorted_tma_a_gemms, workspace_rows
@@ -108,6 +108,7 @@ class TritonExperts(Experts):
         prepared = prepare_triton_weights(weights, expert_map, table, weight_only=weight_only, fragments=fragments)
         if not decoded:
             return prepared
+        make_descriptors(prepared)
         n_out1 = prepared.w13.data.shape[1] // (2 if p.activation.is_gated else 1)
         tickets = decode_tickets(p.quant.weight, n_out1, prepared.w2.data.shape[1], weights.device)
         return dataclasses.replace(prepared, decode_tickets=tickets)

@@ -255,6 +255,19 @@ def table_decode_config(entry: tuple) -> DecodeConfig:
         raise MoEConfigError(f"decode entry {tiles!r}: {error}") from error
 
 
+def make_descriptors(weights: TritonWeights) -> None:
+    """The TMA descriptors of the ``tma=True`` tiles in the weights' table's ``decode`` entries (fp8), made and
+    checked when the weights are prepared rather than at the first forward that reaches them, as the grouped GEMMs'
+    are (`prepare_triton_weights`)."""
+    for _, entry in weights.configs.decode:
+        if isinstance(entry, str):  # "grouped" or "default"
+            continue
+        config = table_decode_config(entry)  # DecodeTile's defaults for the fields an entry leaves out
+        for operand, tile in ((weights.w13, config.gemm1), (weights.w2, config.gemm2)):
+            if tile.tma:
+                operand.descriptor(tile.block_n, tile.block_k)
+
+
 def decodes(weight_fmt: QuantFormat, activation_fmt: QuantFormat) -> bool:
     """Whether the decode kernels serve GEMMs of ``weight_fmt`` weights reading ``activation_fmt``
     activations: MXFP4 / NVFP4 / MXFP8 with unquantized ones (NONE also where the weights run weight-only,

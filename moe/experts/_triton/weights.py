@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe.experts._triton.config import ConfigTable, decode_tiles
+from moe.experts._triton.config import ConfigTable
 from moe.errors import MoEConfigError
 from moe.quant import QuantFormat, unpack_e2m1
 from moe.quant.nvfp4 import NVFP4_BLOCK
@@ -173,12 +173,6 @@ def prepare_triton_weights(
                 operand.descriptor(tile.block_n, tile.block_k, gluon=tile.wgmma or tile.ws)
             if tile.tma_a:
                 check_tma_a_weights(operand, operand.data.dtype)
-    for _, entry in configs.decode:  # the decode entries' TMA tiles (decode.py, fp8) likewise
-        if not isinstance(entry, str):
-            tiles = decode_tiles(entry)
-            for operand, gemm in ((w13, "gemm1"), (w2, "gemm2")):
-                if tiles[gemm].get("tma"):
-                    operand.descriptor(tiles[gemm]["block_n"], tiles[gemm]["block_k"])
     small = all(mxfp4_scales_small(operand) for operand in (w13, w2))
     return TritonWeights(w13=w13, w2=w2, expert_map=map_tensor, configs=configs, weight_only=weight_only,
                          small_scales=small)
