@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -49,3 +52,16 @@ def benchmark_script(name: str):
         sys.modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules[name])
     return sys.modules[name]
+
+
+def compiled_in_subprocess(name: str, expression: str, timeout: int = 600):
+    """The JSON value of ``expression`` evaluated in a fresh process with TRITON_INTERPRET off, where
+    ``benchmarks/<name>.py`` is imported as ``s``: its kernels compile for a GPU target there (this process's
+    kernels were decorated for the interpreter)."""
+    root = Path(__file__).resolve().parents[1]
+    code = (f"import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/benchmarks']; import {name} as s; "
+            f"print(json.dumps({expression}))")
+    done = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, TRITON_INTERPRET="0"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -14,7 +14,7 @@ if not shutil.which("nvidia-smi"):  # a CPU machine: the interpreter, before tri
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.helpers import benchmark_script  # noqa: E402
+from tests.helpers import benchmark_script, compiled_in_subprocess  # noqa: E402
 
 SCRIPT = "stream_floor"
 
@@ -49,20 +49,9 @@ def test_the_tma_kernel_compiles_for_sm90_with_a_ring_of_bulk_loads():
     """The ``*-tma`` modes' Gluon kernel (Gluon does not run in the interpreter): compiled for sm90 in a process of its
     own, its PTX issues TMA tensor loads (the ring's first `TMA_STAGES` unrolled, then one per block in the loop) and
     waits on their mbarriers."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
     pytest.importorskip("triton.experimental.gluon")
-    root = Path(__file__).resolve().parents[1]
-    code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/benchmarks']; import stream_floor as s; "
-            "ptx = s.tma_ptx(); print(json.dumps([ptx.count('cp.async.bulk.tensor'), 'mbarrier.try_wait' in ptx, "
-            "s.TMA_STAGES]))")
-    done = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, TRITON_INTERPRET="0"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    loads, waits, stages = json.loads(done.stdout.strip().splitlines()[-1])
+    loads, waits, stages = compiled_in_subprocess(
+        "stream_floor", "[(p := s.tma_ptx()).count('cp.async.bulk.tensor'), 'mbarrier.try_wait' in p, s.TMA_STAGES]")
     assert loads == stages + 1 and waits
 
 
