@@ -8,7 +8,8 @@ runs in its own process (its own `moe`), in alternating rounds, each timing the 
 experts (`backend_calls` + `time_calls`: a CUDA graph over 4 rotated routings, the tables' tiles).
 
     python benchmarks/decode_ablation.py --cases qwen3-30b-a3b:fp8_block,gpt-oss-120b:fp8_block \
-        [--variants base,no_gemm1_finish,...] [--rounds 2] [--json out.json]
+        [--variants base,no_gemm1_finish,...] [--rounds 2] [--json out.json] [--plot out.png]
+    python benchmarks/decode_ablation.py --replot a.json,b.json --plot out.png     # no GPU: redraw saved runs
 
 The edits name the source they replace, so a kernel change that removes it fails the build of the copy (and
 tests/test_decode_ablation_bench.py) instead of timing an unchanged kernel under a variant's name.
@@ -22,6 +23,7 @@ weight-scale loads about 0.5-1 µs each; the expert-id load nothing measurable.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -145,6 +147,28 @@ def table(best: dict[str, dict[str, float]], cases: list[str]) -> str:
     return "\n".join(lines)
 
 
+def plot(path: str | Path, best: dict[str, dict[str, float]]) -> None:
+    """One panel per case: each variant's change in µs against ``base`` (what taking its part out saves)."""
+    import matplotlib  # optional: `--plot` checks that it is installed first
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(case for times in best.values() for case in times))
+    names = [name for name in best if name != "base"]
+    fig, axes = plt.subplots(1, len(cases), figsize=(4.2 * len(cases), 0.45 * len(names) + 1.4), sharey=True,
+                             squeeze=False)
+    for ax, case in zip(axes[0], cases):
+        deltas = [best[name].get(case, float("nan")) - best["base"][case] for name in names]
+        ax.barh(names, deltas, color=["tab:green" if d < 0 else "tab:red" for d in deltas])
+        ax.axvline(0, color="k", linewidth=0.8)
+        ax.set_title(f"{case}: base {best['base'][case]:.2f} us", fontsize=9)
+        ax.set_xlabel("us against base (taking the part out)")
+    axes[0][0].invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="qwen3-30b-a3b:fp8_block,gpt-oss-120b:fp8_block",
@@ -152,10 +176,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None, help="draw each variant's change against base here (.png; matplotlib)")
+    parser.add_argument("--replot", default=None, metavar="JSON[,JSON]",
+                        help="no run: draw --plot from these --json files (their cases side by side)")
     parser.add_argument("--time", default=None, help=argparse.SUPPRESS)  # a variant's process: time these cases
     args = parser.parse_args(argv)
     if args.time:
         print(json.dumps(time_cases(args.time.split(","))))
+        return 0
+    if (args.plot or args.replot) and importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit("--plot: needs matplotlib, which is not installed (pip install matplotlib)")
+    if args.replot:
+        if not args.plot:
+            raise SystemExit("--replot draws into --plot PATH; give one")
+        best: dict[str, dict[str, float]] = {}
+        for file in args.replot.split(","):
+            for name, times in json.loads(Path(file).read_text())["best"].items():
+                best.setdefault(name, {}).update(times)
+        plot(args.plot, best)
         return 0
     import torch
 
@@ -177,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), cases=cases, runs=runs,
                                                    best=best), indent=1))
+    if args.plot:
+        plot(args.plot, best)
     return 0
 
 

@@ -65,3 +65,20 @@ def test_the_edited_kernels_run(script, tmp_path, name):
 def test_without_a_gpu_the_script_says_so(script, capsys):
     assert script.main(["--cases", "qwen3-30b-a3b:fp8_block"]) == 1
     assert "on a CUDA GPU; none is available here" in capsys.readouterr().out
+
+
+def test_replot_draws_saved_runs_side_by_side(script, tmp_path):
+    """``--replot`` needs no GPU: the saved runs' cases, one panel each, from their ``best`` times."""
+    pytest.importorskip("matplotlib")
+    import json
+
+    saved = []
+    for i, case in enumerate(("qwen3-30b-a3b:fp8_block", "qwen3-30b-a3b:nvfp4")):
+        path = tmp_path / f"run{i}.json"
+        path.write_text(json.dumps({"best": {"base": {case: 18.0}, "no_finish": {case: 16.0 - i}}}))
+        saved.append(str(path))
+    png = tmp_path / "ablation.png"
+    assert script.main(["--replot", ",".join(saved), "--plot", str(png)]) == 0
+    assert png.stat().st_size > 10_000
+    with pytest.raises(SystemExit, match="--replot draws into --plot PATH"):
+        script.main(["--replot", saved[0]])
