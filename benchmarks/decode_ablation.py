@@ -15,9 +15,10 @@ The edits name the source they replace, so a kernel change that removes it fails
 tests/test_decode_ablation_bench.py) instead of timing an unchanged kernel under a variant's name.
 
 What it found (nvidia-h200, session 29, Triton 3.6; `benchmarks/results/fp8_decode_nvidia-h200.md`): at one token
-the finishing epilogues cost Qwen3-30B-A3B fp8_block 1.3-1.6 µs (GEMM1's) and 0.8-1.3 µs (GEMM2's) of 18.5-19.1,
-and both together 2.5 µs of NVFP4's 17.9 and 3.8 µs of MXFP4's 16.6-17.0; the per-step activation quantization and
-weight-scale loads about 0.5-1 µs each; the expert-id load nothing measurable.
+both finishing epilogues together cost 2.8 µs of Qwen3-30B-A3B fp8_block's 18.9 and 2.6 of GPT-OSS-120B's 37.1,
+2.0 of Qwen3 NVFP4's 17.4 and 3.4 of MXFP4's 16.6 (how that splits between GEMM1 and GEMM2 moved between calls); the
+fp8 tiles' per-step activation quantization and weight scales 0.9-1.4 µs each; the expert-id load at most 0.5 µs;
+the programmatic dependent launch saves 0.8-1.1 µs.
 """
 
 from __future__ import annotations
