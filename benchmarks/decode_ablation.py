@@ -138,12 +138,12 @@ def run_variant(directory: Path, cases: list[str]) -> dict[str, float]:
 
 
 def table(best: dict[str, dict[str, float]], cases: list[str]) -> str:
+    """µs per variant and case, with the change against ``base`` where it ran."""
+    base = best.get("base")
     lines = ["| variant | takes out | " + " | ".join(cases) + " |", "|---|---|" + "---|" * len(cases)]
     for name, times in best.items():
-        cells = []
-        for case in cases:
-            delta = times[case] - best["base"][case] if "base" in best else 0.0
-            cells.append(f"{times[case]:.2f}" + (f" ({delta:+.2f})" if name != "base" and "base" in best else ""))
+        cells = [f"{times[case]:.2f}" + (f" ({times[case] - base[case]:+.2f})" if base and name != "base" else "")
+                 for case in cases]
         lines.append(f"| {name} | {VARIANTS[name][0]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -198,15 +198,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
-    if not torch.cuda.is_available():
-        print("decode_ablation.py times the decode kernels on a CUDA GPU; none is available here")
-        return 1
     cases, names = args.cases.split(","), args.variants.split(",")
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be at least 1 (got {args.rounds})")
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as tmp:
-        directories = {name: build(name, Path(tmp)) for name in names}
+        directories = {name: build(name, Path(tmp)) for name in names}  # names and edits checked before the GPU
+        if not torch.cuda.is_available():
+            print("decode_ablation.py times the decode kernels on a CUDA GPU; none is available here")
+            return 1
         for round_ in range(args.rounds):
             for name in names:
                 runs[name].append(run_variant(directories[name], cases))
