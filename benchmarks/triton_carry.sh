@@ -10,9 +10,9 @@
 # binaries are left out). `.triton` must fit the call's 64 MiB with the tree; 3.9.0 packs to about 40 MB, so it does
 # not travel together with `.gpu` (FlashInfer).
 #
-# Slimming: the cp312 wheel (the GPU machine's Python), less the AMD backend (and its entry point), the CUDA tools (ptxas, ptxas-blackwell,
-# cuobjdump, nvdisasm), CUPTI, the profiler (proton) and the instrumentation test library; libtriton.so stripped of
-# its symbols (500 MB -> ~190 MB for 3.9.0).
+# Slimming: the cp312 wheel (the GPU machine's Python), less the AMD backend (and its entry point), the CUDA tools
+# (ptxas, ptxas-blackwell, cuobjdump, nvdisasm), CUPTI, the profiler (proton) and the instrumentation test library;
+# libtriton.so stripped of its symbols (500 MB -> ~190 MB for 3.9.0).
 set -euo pipefail
 mode=${1:?usage: prepare [VERSION]}
 case "$mode" in

@@ -14,8 +14,8 @@ SCRIPT = "multicast_probe"
 
 def test_the_kernel_compiles_for_a_two_cta_cluster_with_and_without_multicast():
     """Compiled for sm90 in a process of its own (Gluon does not run in the interpreter): a cluster kernel whose CTAs
-    meet at cluster barriers; with ``MULTICAST`` one TMA load of the weight block goes to both CTAs (mask 0b11), issued
-    by CTA 0 alone, beside each CTA's own load of its rows; without it both loads are each CTA's own."""
+    meet at cluster barriers; with ``MULTICAST`` the weight block's TMA load goes to the cluster (``.multicast::cluster``)
+    beside each CTA's own load of its rows; without it both loads are each CTA's own."""
     pytest.importorskip("triton.experimental.gluon")
     if not benchmark_script(SCRIPT).multi_cta_gluon():
         pytest.skip("Gluon's TMA multicast needs Triton 3.9+")
