@@ -109,6 +109,8 @@ MACHINES = {
         "fp4_gemv_s25_tables_bench_m7-16_nvidia-h200.json": ("records", None),
         # session 28: the fp8_block tables' decode entries on TMA tiles (Qwen3, GPT-OSS, the DeepSeek slice), M = 1-32
         "fp8_decode_s28_tables_bench_nvidia-h200.json": ("records", None),
+        # session 31: bf16 with the ws tiles storing by TMA (M = 1024-16384), FlashInfer's CUTLASS MoE beside them
+        "issue14_s31_bf16_nvidia-h200.json": ("records", None),
     }, "measured on nvidia-h200 (2026-11-22 to 2026-12-03; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
        "benchmarks/flashinfer_bench.py / benchmarks/ep_all_to_all.py"),
     "nvidia-h100": Machine("h100", {

@@ -31,7 +31,8 @@ def make_problem(weight_fmt=QuantFormat.NONE, *, quant="bf16", activation="silu"
 
 def assert_same_block_layout(got, want) -> None:
     """Two `BlockLayout`s of the same routing agree: counts, padded ends, local ids, and each expert's
-    segment holds the same slots (their order within a segment is free; padding rows are not read)."""
+    segment holds the same slots (their order within a segment is free; padding rows are not read); ``got``'s
+    ``slot_rows`` is the inverse of its ``sorted_slots`` on every slot that is here."""
     assert torch.equal(got.expert_counts.cpu(), want.expert_counts.cpu())
     assert torch.equal(got.expert_ends.cpu(), want.expert_ends.cpu())
     assert torch.equal(got.local_ids.cpu(), want.local_ids.cpu())
@@ -40,6 +41,9 @@ def assert_same_block_layout(got, want) -> None:
         start = int(ends[e]) - -(-count // want.block_m) * want.block_m
         segment = slice(start, start + count)
         assert torch.equal(got.sorted_slots.cpu()[segment].sort().values, want.sorted_slots.cpu()[segment].sort().values)
+    here = (got.local_ids.cpu() >= 0).nonzero().squeeze(1)
+    rows = got.slot_rows.cpu().long()[here]
+    assert torch.equal(got.sorted_slots.cpu().long()[rows], here), "slot_rows is not sorted_slots' inverse"
 
 
 @functools.lru_cache(maxsize=None)

@@ -237,7 +237,7 @@ def test_align_matches_twin(num_tokens, k, num_experts, block_m, use_map):
         expert_map, num_local = local, chosen.numel()
     buffers = align_buffers(ids.numel(), num_local, (block_m,))
     ws = WorkspaceManager().take(WorkspaceShapes.of(**buffers))
-    for name in ("sorted_slots", "expert_counts", "expert_ends", "local_ids"):
+    for name in ("sorted_slots", "expert_counts", "expert_ends", "local_ids", "slot_rows"):
         ws[name].fill_(-7)  # poison: what the GEMMs read must be written
     got = align_block_size(ids, expert_map, num_local, block_m, ws)
     want = align_block_size_reference(ids, expert_map, num_local, block_m)
@@ -303,6 +303,26 @@ def test_combine_matches_twin(with_map):
         y[1::3] = float("nan")  # slots elsewhere hold garbage
     out = combine_slots_kernel(y, weights, ids, expert_map, torch.empty(5, 40, dtype=torch.float16))
     assert_close_moe(out.float(), combine_slots_reference(y, weights, ids, expert_map), "fp16")
+
+
+@pytest.mark.parametrize("with_map", [False, True])
+def test_combine_gathers_sorted_rows_through_slot_rows(with_map):
+    """A GEMM2 that stores by TMA leaves y's rows sorted (with padding rows between experts): the sum over k reads
+    slot s at ``y[slot_rows[s]]`` and gives what it gives on y in slot order."""
+    torch.manual_seed(0)
+    ids = torch.tensor([[0, 2, 1], [1, 0, 2], [2, 1, 0], [0, 1, 2], [2, 0, 1]], dtype=torch.int32)
+    expert_map = torch.tensor([0, 1, -1], dtype=torch.int32) if with_map else None
+    num_local = 2 if with_map else 3
+    layout = align_block_size_reference(ids, expert_map, num_local, 4)
+    y_slots = torch.randn(15, 40).half()
+    y_sorted = torch.full((layout.sorted_slots.numel(), 40), float("nan")).half()  # padding rows: never read
+    here = layout.local_ids >= 0
+    y_sorted[layout.slot_rows[here].long()] = y_slots[here]
+    weights = torch.rand(5, 3)
+    out = combine_slots_kernel(y_sorted, weights, ids, expert_map, torch.empty(5, 40, dtype=torch.float16),
+                               layout.slot_rows)
+    assert out.isfinite().all()
+    assert_close_moe(out.float(), combine_slots_reference(y_slots, weights, ids, expert_map), "fp16")
 
 
 def test_mxfp4_half_split_layout():

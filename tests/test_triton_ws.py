@@ -47,6 +47,42 @@ def test_ws_tile_rules_name_the_constraint(changes, message):
         TileConfig(**fields)
 
 
+@pytest.mark.parametrize("changes", [dict(ws=False), dict(tma_a=False, wgmma=True, block_k=128)],
+                         ids=["not-ws", "fp8-wgmma"])
+def test_tma_store_is_an_epilogue_of_dense_ws_tiles(changes):
+    fields = {**dict(block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4, tma=True, tma_a=True, ws=True,
+                     tma_store=True), **changes}
+    with pytest.raises(MoEConfigError, match="tma_store=True is an epilogue of the dense ws tiles"):
+        TileConfig(**fields)
+
+
+@pytest.mark.parametrize("tile, block_m, gated, fits", [
+    (ws_tile(256, stages=3, tma_store=True), 128, False, True),  # GEMM2: 144 KiB ring + 64 KiB tile
+    (ws_tile(256, stages=4, tma_store=True), 128, False, False),  # 192 + 64 KiB
+    (ws_tile(256, stages=4), 128, False, True),  # the tree's GEMM2 tile: no staged tile
+    (ws_tile(128, stages=4, tma_store=True), 128, True, True),  # GEMM1: 192 KiB ring + 32 KiB
+    (ws_tile(256, num_warps=4, stages=4, tma_store=True), 64, False, True),  # 64 rows: 160 + 32 KiB
+])
+def test_ws_shared_memory_check_counts_the_staged_output_tile(tile, block_m, gated, fits):
+    from moe.experts._triton.gemm_ws import check_shared_memory
+
+    if fits:
+        check_shared_memory(tile, block_m, gated, 2)
+    else:
+        with pytest.raises(MoEConfigError, match=r"must fit in \d+ bytes of shared memory .* or tma_store=False"):
+            check_shared_memory(tile, block_m, gated, 2)
+
+
+def test_store_descriptor_only_where_tma_can_address_the_output():
+    """The sorted output goes out by TMA where its rows are 16-byte multiples apart; elsewhere (an odd hidden size)
+    the epilogue stores from registers."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper", reason="needs Triton with Gluon")
+    from moe.experts._triton.gemm_ws import store_descriptor
+
+    assert store_descriptor(torch.empty(256, 2048, dtype=torch.bfloat16), 128, 256) is not None
+    assert store_descriptor(torch.empty(256, 2052, dtype=torch.bfloat16), 128, 256) is None  # rows 4104 bytes apart
+
+
 def test_ws_tiles_need_64_row_blocks():
     with pytest.raises(MoEConfigError, match="ws=True tiles take block_m >= 64"):
         LaunchConfig(32, ws_tile(), ws_tile())
@@ -100,6 +136,10 @@ VARIANTS = [
     {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "ACTIVATION": 3, "HAS_BIAS": True},
     # two warpgroups side by side along N of a 64-row block, a deeper ring
     {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "STAGES": 6, "E_PAD": 32},
+    # the TMA store epilogue: GEMM2 128 x 256 sorted on a ring of 3, GEMM1 on a ring of 4
+    {"GATED": False, "ACTIVATION": 0, "BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 8, "STAGES": 3,
+     "TMA_STORE": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "TMA_STORE": True},
 ]
 
 
@@ -165,6 +205,20 @@ def test_tuner_tries_ws_tiles_on_sm90_for_16_bit_schemes_where_blocks_fill():
     assert ws_candidates("bf16", 256.0, (8, 0)) == []  # no wgmma before Hopper
     assert ws_candidates("bf16", 256.0, (10, 0)) == []  # Blackwell: another MMA
     assert ws_candidates("bf16", 4.0, (9, 0)) == []  # decode: the 64-row blocks would be padding
+
+
+def test_tuner_tries_each_ws_tile_with_gemm2_storing_by_tma_and_every_one_fits():
+    from moe.experts._triton.gemm_ws import check_shared_memory
+    from moe.tools.tune import ws_candidates
+
+    for rows in (64.0, 256.0):
+        candidates = ws_candidates("bf16", rows, (9, 0))
+        plain = [c for c in candidates if not c.gemm2.tma_store]
+        stored = [c for c in candidates if c.gemm2.tma_store]
+        assert len(stored) == len(plain) > 0
+        for config in candidates:
+            check_shared_memory(config.gemm1, config.block_m, True, 2)
+            check_shared_memory(config.gemm2, config.block_m, False, 2)
 
 
 # --- fp8 128-block: ws on a wgmma tile --------------------------------------------------------------------

@@ -172,8 +172,10 @@ class TritonExperts(Experts):
         x, x_scale = dispatched.x.data, dispatched.x.scale
         if dispatched.x.fmt is QuantFormat.NONE:
             x, x_scale = quantize_activation(x, act, "x", workspace, RowValidity())
+        slot_rows = None  # y's rows are the slots', unless GEMM2 left them sorted
         if config.gemm1.tma_a:  # A by TMA from rows gathered in sorted order first (gemm_tma_a.py)
-            y = sorted_tma_a_gemms(x, weights.w13, weights.w2, layout, p.activation, config, workspace, slots, k)
+            y, slot_rows = sorted_tma_a_gemms(x, weights.w13, weights.w2, layout, p.activation, config, workspace,
+                                              slots, k)
         elif config.gemm1.wgmma:  # fp8_block, the pipelined-wgmma GEMMs on sorted rows (gemm_wgmma.py)
             if act is not QuantFormat.FP8_BLOCK:
                 raise MoEConfigError(f"wgmma=True configs run fp8_block activations and weights (the GEMMs read "
@@ -189,7 +191,7 @@ class TritonExperts(Experts):
             y = workspace["y"][:slots]
             grouped_gemm(a2, a2_scale, weights.w2, y, rows2, None, config.block_m, config.gemm2)
         # 4. router weights and the sum over k
-        combine_slots_kernel(y, dispatched.topk.weights, ids, weights.expert_map, out)
+        combine_slots_kernel(y, dispatched.topk.weights, ids, weights.expert_map, out, slot_rows)
         return ExpertsOutput(OutputKind.REDUCED, out)
 
 

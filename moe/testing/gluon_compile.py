@@ -23,7 +23,8 @@ DEFAULTS = dict(GATED=True, ACTIVATION=1, HAS_BIAS=False, OUT_SORTED=True, E_PAD
 # the kernels: (module, name, its extra defaults, the operands' element type and Gluon name, block_k)
 KERNELS = {
     "fp8": ("_gemm_wgmma", "moe_gemm_fp8_wgmma_kernel", {}, "fp8e4nv", "float8e4nv", 128),
-    "ws": ("_gemm_ws", "moe_gemm_ws_kernel", dict(BLOCK_K=64, LOADER_REGS=40), "bf16", "bfloat16", 64),
+    "ws": ("_gemm_ws", "moe_gemm_ws_kernel", dict(BLOCK_K=64, LOADER_REGS=40, TMA_STORE=False), "bf16", "bfloat16",
+           64),
     "fp8_ws": ("_gemm_ws", "moe_gemm_fp8_ws_kernel", dict(LOADER_REGS=40), "fp8e4nv", "float8e4nv", 128),
 }
 
@@ -34,11 +35,14 @@ def _signature(fn, consts: dict, kernel: str) -> dict:
     _, _, _, element, gl_name, default_k = KERNELS[kernel]
     block_k = consts.get("BLOCK_K", default_k)
 
-    def desc(rows: int) -> str:
-        layout = gl.NVMMASharedLayout.get_default_for([rows, block_k], getattr(gl, gl_name))
-        return f"tensordesc<{element}[{rows}, {block_k}],{layout!r}>"
+    def desc(rows: int, cols: int = block_k, element: str = element, gl_name: str = gl_name) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], getattr(gl, gl_name))
+        return f"tensordesc<{element}[{rows}, {cols}],{layout!r}>"
 
-    types = {"a_desc": desc(consts["BLOCK_M"]), "w_desc": desc(consts["BLOCK_N"]), "a_scale_ptr": "*fp32",
+    # the output's (bf16), as the launch makes it for a TMA store
+    out_desc = desc(consts["BLOCK_M"], consts["BLOCK_N"], "bf16", "bfloat16")
+    types = {"a_desc": desc(consts["BLOCK_M"]), "w_desc": desc(consts["BLOCK_N"]), "out_desc": out_desc,
+             "a_scale_ptr": "*fp32",
              "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "alpha": "fp32", "beta": "fp32",
              "limit": "fp32"}
     return {n: "constexpr" if n in consts else types.get(n, "*i32" if n.endswith("_ptr") else "i32")

@@ -129,7 +129,9 @@ def ws_candidates(scheme: str, rows_per_expert: float, capability: tuple[int, in
     blocks of 64+ rows fill. Like `wgmma_candidates` they go straight to the end-to-end round of `tune_bucket`
     (both GEMMs on the sorted rows, the gather included). The fastest of session 15's H200 sweeps
     (benchmarks/results/bf16_ws_nvidia-h200.md): 128 x (2 x 128) / 128 x 256 on 8 warps from 256 rows per
-    expert, 64-row blocks below."""
+    expert, 64-row blocks below. Each comes twice: as it is, and with GEMM2 storing its sorted tile by TMA
+    (``tma_store``, session 31: the epilogue runs under the next tile's K steps), on a ring of 3 where 4 and the
+    staged tile would not fit in shared memory."""
     if scheme not in TMA_A_SCHEMES or capability != (9, 0) or rows_per_expert < 32:
         return []
 
@@ -137,9 +139,17 @@ def ws_candidates(scheme: str, rows_per_expert: float, capability: tuple[int, in
         tile = TileConfig(gemm1_n, 64, 8, warps, stages, tma=True, tma_a=True, ws=True)
         return LaunchConfig(block_m, tile, dataclasses.replace(tile, block_n=gemm2_n))
 
+    def stored(config: LaunchConfig) -> LaunchConfig:
+        gemm2 = dataclasses.replace(config.gemm2, tma_store=True)
+        if config.block_m * gemm2.block_n >= 128 * 256:  # a 64 KiB tile beside a ring of 4 K steps: 3
+            gemm2 = dataclasses.replace(gemm2, num_stages=3)
+        return dataclasses.replace(config, gemm2=gemm2)
+
     if rows_per_expert >= 192:
-        return [config(128, 128, 256, 8), config(128, 128, 128, 8)]
-    return [config(64, 128, 256, 4), config(64, 128, 256, 8), config(128, 128, 256, 8)]
+        plain = [config(128, 128, 256, 8), config(128, 128, 128, 8)]
+    else:
+        plain = [config(64, 128, 256, 4), config(64, 128, 256, 8), config(128, 128, 256, 8)]
+    return plain + [stored(c) for c in plain]
 
 
 # --- one shape ---------------------------------------------------------------------------------------

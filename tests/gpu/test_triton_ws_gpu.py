@@ -26,9 +26,13 @@ pytest.importorskip("triton")
 PRESETS = ("qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-120b", "deepseek-v3-ep8-slice")
 
 
-def ws_tiles(block_m=128, num_warps=8, gemm1_n=128, gemm2_n=256, stages=4, block_k=64) -> LaunchConfig:
-    return LaunchConfig(block_m, TileConfig(gemm1_n, block_k, 8, num_warps, stages, tma=True, tma_a=True, ws=True),
-                        TileConfig(gemm2_n, block_k, 8, num_warps, stages, tma=True, tma_a=True, ws=True))
+def ws_tiles(block_m=128, num_warps=8, gemm1_n=128, gemm2_n=256, stages=4, block_k=64, stores=(False, False),
+             stages2=None) -> LaunchConfig:
+    """``stores``: (GEMM1's, GEMM2's) ``tma_store``; ``stages2``: GEMM2's ring when not ``stages``."""
+    return LaunchConfig(block_m, TileConfig(gemm1_n, block_k, 8, num_warps, stages, tma=True, tma_a=True, ws=True,
+                                            tma_store=stores[0]),
+                        TileConfig(gemm2_n, block_k, 8, num_warps, stages2 or stages, tma=True, tma_a=True, ws=True,
+                                   tma_store=stores[1]))
 
 
 @pytest.fixture(scope="module", params=PRESETS)
@@ -38,23 +42,40 @@ def layer(request):
 
 def plain(config: LaunchConfig) -> LaunchConfig:
     """The same tiles on the pointer path (A gathered by pointer loads, W by TMA)."""
-    return LaunchConfig(config.block_m, *(dataclasses.replace(t, tma_a=False, ws=False)
+    return LaunchConfig(config.block_m, *(dataclasses.replace(t, tma_a=False, ws=False, tma_store=False)
                                           for t in (config.gemm1, config.gemm2)))
 
 
-CONFIGS = [ws_tiles(), ws_tiles(128, 8, 64, 128, 6), ws_tiles(64, 4, 128, 128, 4), ws_tiles(64, 8, 64, 256, 5)]
+CONFIGS = [ws_tiles(), ws_tiles(128, 8, 64, 128, 6), ws_tiles(64, 4, 128, 128, 4), ws_tiles(64, 8, 64, 256, 5),
+           # the TMA store epilogue: GEMM2's rows stay sorted and the sum over k gathers them by slot
+           ws_tiles(stores=(True, True), stages2=3), ws_tiles(stores=(False, True), stages2=3),
+           ws_tiles(64, 4, 128, 256, 4, stores=(True, True))]
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 33, 256, 1024])
-@pytest.mark.parametrize("config", CONFIGS, ids=["128-w8", "128-w8-n64-s6", "64-w4", "64-w8-n64-s5"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["128-w8", "128-w8-n64-s6", "64-w4", "64-w8-n64-s5",
+                                                 "128-w8-tma-both", "128-w8-tma-gemm2", "64-w4-tma-both"])
 def test_ws_equals_pointer_path_and_reference(layer, tokens, config):
     # the same products; only the wgmma schedule and bf16 rounding of the intermediate differ
     check_against_pointer_and_reference(layer, tokens, config, plain(config), 2e-2)
 
 
-def test_ws_cuda_graph_replay_equals_eager(layer):
+@pytest.mark.parametrize("stores", [(False, False), (True, True)], ids=["register-stores", "tma-stores"])
+def test_ws_cuda_graph_replay_equals_eager(layer, stores):
     p, experts, prepared, _ = layer
-    assert_replay_equals_eager_without_sync(experts, only(prepared, ws_tiles(), 256), p, 256)
+    config = ws_tiles(stores=stores, stages2=3 if stores[1] else None)
+    assert_replay_equals_eager_without_sync(experts, only(prepared, config, 256), p, 256)
+
+
+def test_ws_tma_store_leaves_gemm2_rows_sorted_and_the_sum_gathers_them(layer):
+    """With GEMM2 storing by TMA, the workspace's y holds the layout's rows in sorted order (slot s at
+    slot_rows[s]), and the layer's output equals the register-store tiles' bit for bit: the same products, only
+    where they are stored differs."""
+    p, experts, prepared, _ = layer
+    x, topk, dispatched = dispatched_for(p, 256)
+    want = run(experts, dispatched, only(prepared, ws_tiles(), 256)).float()
+    got = run(experts, dispatched, only(prepared, ws_tiles(stores=(True, True), stages2=3), 256)).float()
+    assert torch.equal(got, want)
 
 
 def test_ws_gemm1_only_feeds_the_pointer_gemm2(layer):

@@ -7,7 +7,8 @@ Two steps, fused into one program for small inputs and two launches for large on
    atomics land in, but each row of a GEMM tile is computed independently, so results do not.
 2. ``_segments`` + ``_place``: counts -> each expert's padded segment (an exclusive scan over the experts, in
    registers: every program computes it, no launch of its own), then
-   ``sorted_slots[segment_start[expert] + rank] = slot``; program 0 also stores the padded ends.
+   ``sorted_slots[segment_start[expert] + rank] = slot`` and its inverse ``slot_rows[slot]`` (the sum over k of a
+   GEMM whose output rows stay sorted gathers through it); program 0 also stores the padded ends.
 
 Nothing else is written: the GEMMs find a block's expert by comparing its first position with the
 ends, and its valid rows with the expert's count, so there is no per-block table and no padding fill.
@@ -46,14 +47,16 @@ def _segments(counts_ptr, num_local, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr)
 
 
 @triton.jit
-def _place(sorted_ptr, starts, offs, local, rank):
+def _place(sorted_ptr, slot_rows_ptr, starts, offs, local, rank):
     here = local >= 0
     first = tl.gather(starts, tl.where(here, local, 0), 0)
     tl.store(sorted_ptr + first + rank, offs, mask=here)
+    tl.store(slot_rows_ptr + offs, first + rank, mask=here)
 
 
 @triton.jit(do_not_specialize=["num_slots", "num_local"])
-def align_fused_kernel(ids_ptr, map_ptr, counts_ptr, local_ptr, sorted_ptr, ends_ptr, num_slots, num_local,
+def align_fused_kernel(ids_ptr, map_ptr, counts_ptr, local_ptr, sorted_ptr, slot_rows_ptr, ends_ptr, num_slots,
+                       num_local,
                        HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """Both steps in one program, every slot in one chunk (CHUNK >= num_slots): the ranks stay in
     registers. For few slots, where a second launch costs more than the work."""
@@ -65,7 +68,7 @@ def align_fused_kernel(ids_ptr, map_ptr, counts_ptr, local_ptr, sorted_ptr, ends
     tl.debug_barrier()
     experts, starts, ends = _segments(counts_ptr, num_local, BLOCK_M, E_PAD)
     tl.store(ends_ptr + experts, ends, mask=experts < num_local)
-    _place(sorted_ptr, starts, offs, local, rank)
+    _place(sorted_ptr, slot_rows_ptr, starts, offs, local, rank)
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -79,7 +82,7 @@ def rank_kernel(ids_ptr, map_ptr, counts_ptr, local_ptr, ranks_ptr, num_slots,
 
 
 @triton.jit(do_not_specialize=["num_slots", "num_local"])
-def place_kernel(counts_ptr, local_ptr, ranks_ptr, sorted_ptr, ends_ptr, num_slots, num_local,
+def place_kernel(counts_ptr, local_ptr, ranks_ptr, sorted_ptr, slot_rows_ptr, ends_ptr, num_slots, num_local,
                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """Step 2 over a grid of chunks."""
     pid = tl.program_id(0)
@@ -89,4 +92,4 @@ def place_kernel(counts_ptr, local_ptr, ranks_ptr, sorted_ptr, ends_ptr, num_slo
     offs = pid * CHUNK + tl.arange(0, CHUNK)
     local = tl.load(local_ptr + offs, mask=offs < num_slots, other=-1)
     rank = tl.load(ranks_ptr + offs, mask=local >= 0, other=0)
-    _place(sorted_ptr, starts, offs, local, rank)
+    _place(sorted_ptr, slot_rows_ptr, starts, offs, local, rank)

@@ -25,6 +25,10 @@ from moe.experts._triton._gemm import _activate, _store_sorted_block, _tile_coor
 # Gluon is experimental: Triton 3.6 (what the GPU machine runs) names the TMA load
 # async_copy_global_to_shared, later versions async_load (and make the old name raise)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+# the barrier of a CTA's threads (in a warp-specialized partition, of the partition's): thread_barrier in 3.6, later
+# barrier
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.constexpr_function
@@ -197,13 +201,11 @@ def _fp8_tile(ring0, n_steps, a_desc, w_desc, m0, w_row, N, scales, ready, empty
 
 
 @gluon.jit
-def _epilogue(out, up, layout: gl.constexpr, expert, m0, n0, valid, bias_ptr, out_ptr, rows_ptr, N, stride_be,
-              stride_bn, stride_om, stride_on, alpha, beta, limit, GATED: gl.constexpr, ACTIVATION: gl.constexpr,
-              HAS_BIAS: gl.constexpr, OUT_SORTED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The Gluon kernels' tile epilogue: ``out`` (the gate half when ``GATED``) and ``up`` in ``layout`` (an
-    ungated tile passes ``out`` again, unread), the expert's biases added, the activation applied (gated or not:
-    relu2 too; ACTIVATION 0 leaves ``out`` as it is), the rows stored (`_store_sorted_block`)."""
-    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+def _activated(out, up, layout: gl.constexpr, expert, n0, bias_ptr, N, stride_be, stride_bn, alpha, beta, limit,
+               GATED: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """``out`` (the gate half when ``GATED``) and ``up`` in ``layout`` (an ungated tile passes ``out`` again,
+    unread), the expert's biases added, the activation applied (gated or not: relu2 too; ACTIVATION 0 leaves
+    ``out`` as it is): the tile an epilogue stores, float32."""
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     cols = offs_n % N  # the tail's extra columns read valid biases; they are never stored
     b_base = bias_ptr + expert.to(gl.int64) * stride_be
@@ -211,7 +213,18 @@ def _epilogue(out, up, layout: gl.constexpr, expert, m0, n0, valid, bias_ptr, ou
         out += gl.expand_dims(gl.load(b_base + cols * stride_bn).to(gl.float32), 0)
     if GATED and HAS_BIAS:
         up += gl.expand_dims(gl.load(b_base + (cols + N) * stride_bn).to(gl.float32), 0)
-    out = _activate(out, up, ACTIVATION, alpha, beta, limit)  # an ungated one (relu2) reads the first only
+    return _activate(out, up, ACTIVATION, alpha, beta, limit)  # an ungated one (relu2) reads the first only
+
+
+@gluon.jit
+def _epilogue(out, up, layout: gl.constexpr, expert, m0, n0, valid, bias_ptr, out_ptr, rows_ptr, N, stride_be,
+              stride_bn, stride_om, stride_on, alpha, beta, limit, GATED: gl.constexpr, ACTIVATION: gl.constexpr,
+              HAS_BIAS: gl.constexpr, OUT_SORTED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The Gluon kernels' tile epilogue: `_activated`, then the rows stored (`_store_sorted_block`)."""
+    out = _activated(out, up, layout, expert, n0, bias_ptr, N, stride_be, stride_bn, alpha, beta, limit, GATED,
+                     ACTIVATION, HAS_BIAS, BLOCK_N)
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     _store_sorted_block(out_ptr, out, offs_m, offs_n, N, m0, valid, rows_ptr, stride_om, stride_on, OUT_SORTED,
                         BLOCK_M)
 

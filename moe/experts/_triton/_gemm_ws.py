@@ -21,6 +21,11 @@ W is ``[E * R, K]``, both loaded by TMA descriptor. What differs is how the tens
   in registers (no shared-memory staging, which would compete with the ring).
 - **The epilogue** adds the bias, applies the activation and stores from the accumulator's layout:
   every row of the block (``OUT_SORTED``, the intermediate) or the rows holding a slot, at their slot.
+  With ``TMA_STORE`` (a sorted output) it writes the tile into a staging buffer beside the ring instead and
+  sends it out by one TMA store, which runs on while the consumer starts the next tile's K steps; before
+  writing the buffer again it waits only until the previous store has read it. Session 31 measured the
+  register stores, with nothing beside them, at up to half of a short-K GEMM2's time
+  (benchmarks/results/bf16_ws_nvidia-h200.md).
 - **fp8 128-block** runs the same loader (BLOCK_K = 128, one scale group per K step) and the same tile
   walk; its consumer is the wgmma kernel's K loop (`_gemm_wgmma._fp8_tile`: each step's product goes
   to a fresh register tile, scaled into the accumulator while the next step's wgmma runs), handing each
@@ -31,12 +36,14 @@ W is ``[E * R, K]``, both loaded by TMA descriptor. What differs is how the tens
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
 
 # @triton.jit functions, which Gluon kernels may call
 from moe.experts._triton._gemm import _tile_of
-from moe.experts._triton._gemm_wgmma import (_epilogue, _expert_segments, _fp8_mma_layout, _fp8_tile, _segment_of,
-                                             _tile_scales, _tma_load, _warps_per_cta)
+from moe.experts._triton._gemm_wgmma import (_activated, _barrier, _epilogue, _expert_segments, _fp8_mma_layout,
+                                             _fp8_tile, _segment_of, _tile_scales, _tma_load, _tma_store,
+                                             _warps_per_cta)
 
 
 @gluon.jit
@@ -96,12 +103,13 @@ def _load_partition(a_desc, w_desc, a_bufs, w_bufs, ready, empty, ends_ptr, coun
 
 
 @gluon.jit
-def _mma_partition(a_bufs, w_bufs, ready, empty, bias_ptr, out_ptr, rows_ptr, ends_ptr, counts_ptr,
-                   num_experts, N, K, stride_be, stride_bn, stride_om, stride_on, alpha, beta, limit,
+def _mma_partition(a_bufs, w_bufs, ready, empty, out_desc, out_buf, bias_ptr, out_ptr, rows_ptr, ends_ptr,
+                   counts_ptr, num_experts, N, K, stride_be, stride_bn, stride_om, stride_on, alpha, beta, limit,
                    GATED: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, OUT_SORTED: gl.constexpr,
-                   E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """The default partition: each tile's wgmmas as its buffers arrive, then its epilogue."""
+                   TMA_STORE: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """The default partition: each tile's wgmmas as its buffers arrive, then its epilogue (``TMA_STORE``: staged in
+    ``out_buf`` and sent out by ``out_desc``, a store that runs on under the next tile's K steps)."""
     warps: gl.constexpr = _warps_per_cta(BLOCK_M, num_warps)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps,
                                                   instr_shape=[16, BLOCK_N // warps[1], 16])
@@ -137,30 +145,46 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, bias_ptr, out_ptr, rows_ptr, en
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
 
-        _epilogue(acc, up, mma, expert, pid_m * BLOCK_M, pid_n * BLOCK_N, valid, bias_ptr, out_ptr, rows_ptr, N,
-                  stride_be, stride_bn, stride_om, stride_on, alpha, beta, limit, GATED, ACTIVATION, HAS_BIAS,
-                  OUT_SORTED, BLOCK_M, BLOCK_N)
+        if TMA_STORE:  # the sorted tile leaves by one TMA store, which runs on under the next tile's K steps
+            out = _activated(acc, up, mma, expert, pid_n * BLOCK_N, bias_ptr, N, stride_be, stride_bn, alpha, beta,
+                             limit, GATED, ACTIVATION, HAS_BIAS, BLOCK_N)
+            tma.store_wait(0)  # the previous tile's store has read out_buf
+            _barrier()
+            out_buf.store(out.to(out_buf.dtype))
+            fence_async_shared()
+            _barrier()
+            _tma_store(out_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], out_buf)
+        else:
+            _epilogue(acc, up, mma, expert, pid_m * BLOCK_M, pid_n * BLOCK_N, valid, bias_ptr, out_ptr, rows_ptr, N,
+                      stride_be, stride_bn, stride_om, stride_on, alpha, beta, limit, GATED, ACTIVATION, HAS_BIAS,
+                      OUT_SORTED, BLOCK_M, BLOCK_N)
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 # the token-dependent counts are not specialized on, so one compiled kernel serves every M
 @gluon.jit(do_not_specialize=["num_experts"])
 def moe_gemm_ws_kernel(
-    a_desc, w_desc, bias_ptr, out_ptr, rows_ptr, ends_ptr, counts_ptr,
+    a_desc, w_desc, out_desc, bias_ptr, out_ptr, rows_ptr, ends_ptr, counts_ptr,
     num_experts, N, K, w_rows, stride_be, stride_bn, stride_om, stride_on,
     alpha, beta, limit,
     GATED: gl.constexpr, ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, OUT_SORTED: gl.constexpr,
-    E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    TMA_STORE: gl.constexpr, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """``out = act(a_sorted @ w[expert].T + bias[expert])`` over every (m block, n block) tile the layout
     uses: ``a_desc`` the sorted rows ``[rows, K]`` (block ``[BLOCK_M, BLOCK_K]``), ``w_desc`` the weights
     as ``[E * R, K]`` (block ``[BLOCK_N, BLOCK_K]``), bf16 or fp16; the module docstring says how."""
     a_bufs, w_bufs, ready, empty = _ring(a_desc, w_desc, GATED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+    if TMA_STORE:
+        out_buf = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
+    else:
+        out_buf = a_bufs  # stands in, never written
     gl.warp_specialize([
-        (_mma_partition, (a_bufs, w_bufs, ready, empty, bias_ptr, out_ptr, rows_ptr, ends_ptr, counts_ptr,
-                          num_experts, N, K, stride_be, stride_bn, stride_om, stride_on, alpha, beta, limit,
-                          GATED, ACTIVATION, HAS_BIAS, OUT_SORTED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                          STAGES, num_warps)),
+        (_mma_partition, (a_bufs, w_bufs, ready, empty, out_desc, out_buf, bias_ptr, out_ptr, rows_ptr, ends_ptr,
+                          counts_ptr, num_experts, N, K, stride_be, stride_bn, stride_om, stride_on, alpha, beta,
+                          limit, GATED, ACTIVATION, HAS_BIAS, OUT_SORTED, TMA_STORE, E_PAD, BLOCK_M, BLOCK_N,
+                          BLOCK_K, GROUP_M, STAGES, num_warps)),
         (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, ends_ptr, counts_ptr, num_experts, N, K,
                            w_rows, GATED, E_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
     ], [1], [LOADER_REGS])

@@ -124,10 +124,11 @@ def fp8_quant_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, valid_ptr, map_ptr, num_
 
 
 @triton.jit
-def combine_kernel(y_ptr, weights_ptr, ids_ptr, map_ptr, out_ptr, H, stride_ym, stride_om,
-                   TOP_K: tl.constexpr, CHECK_LOCAL: tl.constexpr, BLOCK_H: tl.constexpr):
-    """``out[m] = sum_j weights[m, j] * y[m * k + j]`` over the slots whose expert is here
-    (``map[ids[m * k + j]] >= 0``)."""
+def combine_kernel(y_ptr, weights_ptr, ids_ptr, map_ptr, rows_ptr, out_ptr, H, stride_ym, stride_om,
+                   TOP_K: tl.constexpr, CHECK_LOCAL: tl.constexpr, SORTED: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``out[m] = sum_j weights[m, j] * y[row(m * k + j)]`` over the slots whose expert is here
+    (``map[ids[m * k + j]] >= 0``): ``row(s)`` is ``rows[s]`` when ``SORTED`` (y holds the rows in sorted order),
+    else ``s``."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
@@ -141,6 +142,10 @@ def combine_kernel(y_ptr, weights_ptr, ids_ptr, map_ptr, out_ptr, H, stride_ym, 
             mask = col_ok & (local >= 0)
         else:
             mask = col_ok
-        y = tl.load(y_ptr + slot * stride_ym + cols, mask=mask, other=0.0)
+        if SORTED:
+            row = tl.load(rows_ptr + slot).to(tl.int64)
+        else:
+            row = slot
+        y = tl.load(y_ptr + row * stride_ym + cols, mask=mask, other=0.0)
         acc += weight * y.to(tl.float32)
     tl.store(out_ptr + token * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)

@@ -12,6 +12,7 @@ Example, M=3 tokens, k=2, E_local=3, BLOCK_M=2, ``topk_ids = [[0, 2], [2, 1], [0
     expert_ends    = [2, 4, 8]        (each expert's segment padded to a multiple of BLOCK_M)
     sorted_slots   = [0, 4 | 3, . | 1, 2 | 5, .]   (. = never written; the order within an
                                                     expert's segment is not specified)
+    slot_rows      = [0, 4, 5, 2, 1, 6]           (each slot's position: sorted_slots[slot_rows[s]] == s)
 
 Block b (positions ``b*BLOCK_M ...``) belongs to the expert whose segment holds its first position:
 the number of experts whose end is at or before it; its rows past the expert's count are padding.
@@ -41,6 +42,9 @@ class BlockLayout:
     expert_ends: torch.Tensor  # int32 [E_local]: end of each expert's padded segment (cumulative)
     local_ids: torch.Tensor  # int32 [M*k]: local expert of each slot, -1 when not on this rank
     block_m: int
+    # int32 [M*k]: each slot's position in sorted_slots (unspecified where local_ids is -1): the sum over k reads
+    # a GEMM's sorted output rows through it
+    slot_rows: torch.Tensor
 
     @property
     def max_blocks(self) -> int:
@@ -71,6 +75,7 @@ def workspace_buffers(num_slots: int, num_local: int, block_ms: tuple[int, ...])
     return {
         "sorted_slots": ((padded,), i32),
         "local_ids": ((num_slots,), i32),
+        "slot_rows": ((num_slots,), i32),
         "ranks": ((num_slots,), i32),
         "expert_counts": ((experts,), i32),
         "expert_ends": ((experts,), i32),
@@ -96,6 +101,7 @@ def align_block_size(
         expert_ends=workspace["expert_ends"][:num_local],
         local_ids=workspace["local_ids"][:num_slots],
         block_m=block_m,
+        slot_rows=workspace["slot_rows"][:num_slots],
     )
     ids = topk_ids.reshape(-1)
     has_map = expert_map is not None
@@ -104,16 +110,16 @@ def align_block_size(
     if num_slots <= FUSED_MAX_SLOTS:
         chunk = next_power_of_2(max(num_slots, 16))
         _align.align_fused_kernel[(1,)](
-            ids, map_arg, counts, layout.local_ids, layout.sorted_slots, ends, num_slots, num_local,
-            HAS_MAP=has_map, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, num_warps=4 if chunk <= 1024 else 8,
+            ids, map_arg, counts, layout.local_ids, layout.sorted_slots, layout.slot_rows, ends, num_slots,
+            num_local, HAS_MAP=has_map, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, num_warps=4 if chunk <= 1024 else 8,
         )
         return layout
     counts.zero_()
     grid = (cdiv(num_slots, _CHUNK),)
     _align.rank_kernel[grid](ids, map_arg, counts, layout.local_ids, workspace["ranks"], num_slots,
                              HAS_MAP=has_map, CHUNK=_CHUNK, num_warps=4)
-    _align.place_kernel[grid](counts, layout.local_ids, workspace["ranks"], layout.sorted_slots, ends,
-                              num_slots, num_local, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_CHUNK, num_warps=4)
+    _align.place_kernel[grid](counts, layout.local_ids, workspace["ranks"], layout.sorted_slots, layout.slot_rows,
+                              ends, num_slots, num_local, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_CHUNK, num_warps=4)
     return layout
 
 
@@ -128,11 +134,13 @@ def align_block_size_reference(
                               device=ids.device)
     counts = torch.zeros(num_local, dtype=torch.int32, device=ids.device)
     ends = torch.zeros(num_local, dtype=torch.int32, device=ids.device)
+    slot_rows = torch.full((num_slots,), -1, dtype=torch.int32, device=ids.device)
     position = 0
     for e in range(num_local):
         slots = (local == e).nonzero().squeeze(1)
         sorted_slots[position : position + slots.numel()] = slots.to(torch.int32)
+        slot_rows[slots] = torch.arange(position, position + slots.numel(), dtype=torch.int32, device=ids.device)
         counts[e] = slots.numel()
         position += cdiv(slots.numel(), block_m) * block_m
         ends[e] = position
-    return BlockLayout(sorted_slots, counts, ends, local.to(torch.int32), block_m)
+    return BlockLayout(sorted_slots, counts, ends, local.to(torch.int32), block_m, slot_rows)

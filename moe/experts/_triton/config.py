@@ -57,6 +57,11 @@ class TileConfig:
     # gemm_ws.fp8_programs_per_sm); block_m >= 64. On a tma_a tile (dense bf16/fp16) or a wgmma one
     # (fp8_block: the wgmma tile's scaled K steps).
     ws: bool = False
+    # ws tiles of the dense GEMMs (tma_a): the epilogue stages the tile in shared memory and stores it by one TMA
+    # store, which runs on under the next tile's K steps. GEMM2 then writes its rows in sorted order, and the sum
+    # over k reads them through the layout's slot_rows. The ring and a [block_m, block_n] output tile must fit in
+    # shared memory together (gemm_ws.check_shared_memory).
+    tma_store: bool = False
 
     def __post_init__(self):
         if self.tma_a and not self.tma:
@@ -71,6 +76,9 @@ class TileConfig:
             raise MoEConfigError(f"ws=True tiles are tma_a=True (dense) or wgmma=True (fp8_block) tiles, A gathered "
                                  f"and both operands by TMA, with num_warps 4 or 8, block_k 32, 64 or 128 and "
                                  f"num_stages >= 2 (got {self})")
+        if self.tma_store and not (self.ws and self.tma_a):
+            raise MoEConfigError(f"tma_store=True is an epilogue of the dense ws tiles: it needs ws=True and "
+                                 f"tma_a=True (got {self})")
 
 
 @dataclass(frozen=True)

@@ -106,19 +106,24 @@ def tma_a_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tenso
 
 def sorted_tma_a_gemms(x: torch.Tensor, w13: WeightOperand, w2: WeightOperand, layout: BlockLayout,
                        activation: Activation, config: LaunchConfig, workspace, num_slots: int,
-                       top_k: int) -> torch.Tensor:
-    """Both GEMMs of a config whose ``gemm1.tma_a`` is set (gemm2's may be): ``y [num_slots, H]`` (the
-    module docstring), in the workspace's ``y``; no allocation."""
+                       top_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Both GEMMs of a config whose ``gemm1.tma_a`` is set (gemm2's may be), in the workspace's ``y``; no
+    allocation. Returns ``(y, slot_rows)``: ``y [num_slots, H]`` (the module docstring) and None, or, where GEMM2's
+    tile stores by TMA (``tma_store``), ``y`` with the layout's rows in sorted order and the layout's ``slot_rows``
+    (slot s's row of y), for the sum over k."""
     rows = layout.sorted_slots.numel()
     y = workspace["y"]
     x_sorted = gather_sorted_rows(x, layout, top_k, y)  # read by GEMM1 before GEMM2 writes y
     if config.gemm2.tma_a:
         inter = workspace["inter"][:rows]
         tma_a_gemm_launch(x_sorted, w13, inter, layout, True, activation, config.gemm1).run()
+        if config.gemm2.tma_store:  # TMA cannot scatter rows to their slots: they stay sorted
+            tma_a_gemm_launch(inter, w2, y[:rows], layout, True, None, config.gemm2).run()
+            return y[:rows], layout.slot_rows
         tma_a_gemm_launch(inter, w2, y[:num_slots], layout, False, None, config.gemm2).run()
     else:
         inter = workspace["inter"][:num_slots]
         tma_a_gemm_launch(x_sorted, w13, inter, layout, False, activation, config.gemm1).run()
         grouped_gemm(inter, None, w2, y[:num_slots], SortedRows(layout, num_slots, 1), None,
                      config.block_m, config.gemm2)
-    return y[:num_slots]
+    return y[:num_slots], None

@@ -85,6 +85,35 @@ def persistent_launch(kernel: str, a_sorted: torch.Tensor, layout: BlockLayout, 
     return Launch((max(1, min(tiles, programs)),), args, constexprs, kernel=(_MODULE, kernel))
 
 
+def store_descriptor(out: torch.Tensor, block_m: int, block_n: int):
+    """A TMA descriptor of the sorted output ``out [rows, N]`` by ``[block_m, block_n]`` blocks, for a ws tile's
+    epilogue to store through; None where TMA cannot address it (rows or a block's row less than 16 bytes apart,
+    or a base not 16-byte aligned): the epilogue then stores from registers."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    size = out.element_size()
+    if out.stride(1) != 1 or (out.stride(0) * size) % 16 or out.data_ptr() % 16 or block_n * size < 16:
+        return None
+    element = gl.bfloat16 if out.dtype == torch.bfloat16 else gl.float16
+    return TensorDescriptor(out, list(out.shape), [out.stride(0), 1], [block_m, block_n],
+                            gl.NVMMASharedLayout.get_default_for([block_m, block_n], element))
+
+
+def check_shared_memory(tile: TileConfig, block_m: int, gated: bool, element_size: int) -> None:
+    """A dense ws tile's ring (``num_stages`` K steps of A and W) and, with ``tma_store``, its staged output tile must
+    fit in an SM's shared memory: a clear error before a launch that would fail with "out of resources"."""
+    width = (2 if gated else 1) * tile.block_n
+    ring = tile.num_stages * (block_m + width) * tile.block_k * element_size
+    staged = block_m * tile.block_n * element_size if tile.tma_store else 0
+    if ring + staged + _RESERVED_PER_PROGRAM > _SHARED_PER_SM:
+        raise MoEConfigError(
+            f"a ws tile's ring ({tile.num_stages} stages of {block_m} + {width} rows x {tile.block_k}: {ring} bytes)"
+            f"{f' and its staged output tile ({staged} bytes)' if staged else ''} must fit in "
+            f"{_SHARED_PER_SM - _RESERVED_PER_PROGRAM} bytes of shared memory (got {tile}, block_m {block_m}); use "
+            f"fewer num_stages{' or tma_store=False' if staged else ''}")
+
+
 def ws_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tensor, layout: BlockLayout,
                    out_sorted: bool, activation: Activation | None, tile: TileConfig) -> Launch:
     """The launch of ``out = act(a_sorted @ w[expert].T + bias[expert])`` over the layout's blocks, as
@@ -101,14 +130,17 @@ def ws_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tensor, 
                               gl.NVMMASharedLayout.get_default_for([block_m, tile.block_k], element))
     num_experts = layout.expert_counts.numel()
     bias, bias_strides = bias_args(w)
-    args = (a_desc, w.descriptor(tile.block_n, tile.block_k, gluon=True), bias, out,
+    check_shared_memory(tile, block_m, gated, a_sorted.element_size())
+    out_desc = store_descriptor(out, block_m, tile.block_n) if out_sorted and tile.tma_store else None
+    args = (a_desc, w.descriptor(tile.block_n, tile.block_k, gluon=True), out_desc or a_desc, bias, out,
             layout.sorted_slots, layout.expert_ends, layout.expert_counts,
             num_experts, n_out, k, w.data.shape[1], *bias_strides, out.stride(0), out.stride(1),
             *activation_args(activation))
     constexprs = dict(
         GATED=gated, ACTIVATION=activation_code(activation), HAS_BIAS=w.bias is not None,
-        OUT_SORTED=out_sorted, E_PAD=experts_pad(num_experts),
+        OUT_SORTED=out_sorted, TMA_STORE=out_desc is not None, E_PAD=experts_pad(num_experts),
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         STAGES=tile.num_stages,
     )
     return persistent_launch("moe_gemm_ws_kernel", a_sorted, layout, n_out, tile, args, constexprs)
+

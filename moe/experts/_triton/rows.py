@@ -125,19 +125,21 @@ def quantize_fp8_rows_reference(
 
 def combine_slots_kernel(
     y: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
-    out: torch.Tensor,
+    out: torch.Tensor, slot_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out [M, H] = sum_j topk_weights[m, j] * y[m*k + j]`` over the slots whose expert is here
-    (``expert_map[topk_ids] >= 0``; all of them without a map)."""
+    (``expert_map[topk_ids] >= 0``; all of them without a map). ``slot_rows`` (int32 ``[M*k]``, a `BlockLayout`'s):
+    ``y`` holds the rows in sorted order, slot s's at ``y[slot_rows[s]]``."""
     _rows = kernels("rows")
     num_tokens, top_k = topk_weights.shape
     hidden = out.shape[1]
     block_h = min(1024, next_power_of_2(hidden))
     grid = (num_tokens, cdiv(hidden, block_h))
     check = expert_map is not None
+    sorted_rows = slot_rows is not None
     _rows.combine_kernel[grid](
-        y, topk_weights, topk_ids, expert_map if check else topk_ids, out, hidden, y.stride(0), out.stride(0),
-        TOP_K=top_k, CHECK_LOCAL=check, BLOCK_H=block_h,
+        y, topk_weights, topk_ids, expert_map if check else topk_ids, slot_rows if sorted_rows else topk_ids, out,
+        hidden, y.stride(0), out.stride(0), TOP_K=top_k, CHECK_LOCAL=check, SORTED=sorted_rows, BLOCK_H=block_h,
     )
     return out
 
