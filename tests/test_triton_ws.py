@@ -191,6 +191,9 @@ def test_ws_kernel_compiles_for_sm90_without_spills_or_serialized_wgmmas(compile
     # wgmma of one K step would no longer run under the next step's wait for its buffer
     assert not report["serialized"]
     assert report["spill_bytes"] == 0 and report["registers"] <= _launch_registers(variant)
+    # a TMA_STORE tile sends its staged tile out by TMA and waits before it writes the buffer again; others do not
+    staged = bool(variant.get("TMA_STORE"))
+    assert (report["tma_stores"] > 0, report["store_waits"] > 0) == (staged, staged)
 
 
 def test_tuner_tries_ws_tiles_on_sm90_for_16_bit_schemes_where_blocks_fill():

@@ -5,8 +5,8 @@ Gluon kernels do not run under Triton's CPU interpreter, so this is how a CPU ma
 installed Triton's frontend and its bundled ptxas, as in tests/test_triton_compiles_for_gpu.py. Run it in a
 process of its own (``python -m moe.testing.gluon_compile '<variants as JSON>'``): ``TRITON_INTERPRET`` must
 be off when the kernel module is imported, and `main` turns it off. Prints one JSON line: per variant, the
-registers, the spilled bytes, and whether ptxas serialized the wgmmas (its C7514 "Potential Performance Loss"
-note), or the error.
+registers, the spilled bytes, whether ptxas serialized the wgmmas (its C7514 "Potential Performance Loss"
+note), the wgmmas and the TMA stores in the PTX, or the error.
 """
 
 from __future__ import annotations
@@ -91,7 +91,10 @@ def compile_variant(overrides: dict) -> dict:
     return {"registers": int(registers.group(1)) if registers else None,
             "spill_bytes": int(spills.group(1)) if spills else None,
             "serialized": "C7514" in log or "wgmma.mma_async instructions are serialized" in log,
-            "wgmma": kernel.asm["ptx"].count("wgmma.mma_async")}
+            "wgmma": kernel.asm["ptx"].count("wgmma.mma_async"),
+            # TMA stores of a staged tile (shared -> global), and the waits before the staging buffer is reused
+            "tma_stores": kernel.asm["ptx"].count("cp.async.bulk.tensor.2d.global.shared::cta"),
+            "store_waits": kernel.asm["ptx"].count("cp.async.bulk.wait_group")}
 
 
 def main(argv: list[str]) -> None:
