@@ -55,7 +55,7 @@ def gemm_launches(preset_name: str, quant: str, tokens: int) -> tuple[dict, obje
     config; the operands are allocated here (CUDA)."""
     from moe.errors import MoEConfigError
     from moe.experts._triton.align import align_block_size, workspace_buffers
-    from moe.experts._triton.gemm_tma_a import gather_sorted_rows, tma_a_gemm_launch
+    from moe.experts._triton.gemm_tma_a import gather_sorted_rows, gemm2_output, tma_a_gemm_launch
     from moe.experts.triton import TritonExperts
     from moe.presets import load_preset
     from moe.tools.bench import build_weights, make_inputs
@@ -80,9 +80,9 @@ def gemm_launches(preset_name: str, quant: str, tokens: int) -> tuple[dict, obje
                                                                          device=device))
     inter = torch.randn(rows, problem.intermediate_size, dtype=x.dtype, device=device)
     y = torch.empty(rows, problem.hidden_size, dtype=x.dtype, device=device)
-    sorted_y = config.gemm2.tma_store  # as sorted_tma_a_gemms: a GEMM2 storing by TMA leaves its rows sorted
     gemm1 = tma_a_gemm_launch(x_sorted, weights.w13, inter, layout, True, problem.activation, config.gemm1)
-    gemm2 = tma_a_gemm_launch(inter, weights.w2, y if sorted_y else y[:slots], layout, sorted_y, None, config.gemm2)
+    out, out_sorted = gemm2_output(config.gemm2, y, rows, slots)  # as the layer's GEMM2 writes
+    gemm2 = tma_a_gemm_launch(inter, weights.w2, out, layout, out_sorted, None, config.gemm2)
     return {"gemm1": (gemm1, weights.w13.k, config.gemm1.block_k),
             "gemm2": (gemm2, weights.w2.k, config.gemm2.block_k)}, config
 

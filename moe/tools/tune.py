@@ -30,6 +30,7 @@ from moe.experts._triton.align import align_block_size
 from moe.experts._triton.config import CONFIG_DIR, ConfigTable, LaunchConfig, TileConfig, triton_cache_dir
 from moe.experts._triton.gemm import DirectRows, LaunchSequence, SortedRows, gemm_launch, precompile
 from moe.experts._triton.gemm_tma_a import gather_launch, tma_a_gemm_launch
+from moe.experts._triton.gemm_ws import fits_shared_memory
 from moe.experts._triton.rows import RowValidity
 from moe.experts._triton.support import config_key, quantize_activation
 from moe.experts.triton import TritonExperts
@@ -141,8 +142,8 @@ def ws_candidates(scheme: str, rows_per_expert: float, capability: tuple[int, in
 
     def stored(config: LaunchConfig) -> LaunchConfig:
         gemm2 = dataclasses.replace(config.gemm2, tma_store=True)
-        if config.block_m * gemm2.block_n >= 128 * 256:  # a 64 KiB tile beside a ring of 4 K steps: 3
-            gemm2 = dataclasses.replace(gemm2, num_stages=3)
+        while not fits_shared_memory(gemm2, config.block_m, False, 2):  # 128 x 256: a 64 KiB tile, a ring of 3
+            gemm2 = dataclasses.replace(gemm2, num_stages=gemm2.num_stages - 1)
         return dataclasses.replace(config, gemm2=gemm2)
 
     if rows_per_expert >= 192:

@@ -104,6 +104,13 @@ def tma_a_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tenso
     return Launch(grid, args, constexprs, kernel=(_MODULE, "moe_gemm_tma_a_kernel"))
 
 
+def gemm2_output(tile: TileConfig, y: torch.Tensor, rows: int, num_slots: int) -> tuple[torch.Tensor, bool]:
+    """Where a TMA-A GEMM2 with ``tile`` writes, and whether its rows stay sorted: ``y``'s first ``rows`` (the
+    layout's, padding included) in sorted order where the tile stores by TMA (``tma_store``: TMA cannot scatter rows
+    to their slots), else ``y``'s first ``num_slots``, one per slot."""
+    return (y[:rows], True) if tile.tma_store else (y[:num_slots], False)
+
+
 def sorted_tma_a_gemms(x: torch.Tensor, w13: WeightOperand, w2: WeightOperand, layout: BlockLayout,
                        activation: Activation, config: LaunchConfig, workspace, num_slots: int,
                        top_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -117,10 +124,9 @@ def sorted_tma_a_gemms(x: torch.Tensor, w13: WeightOperand, w2: WeightOperand, l
     if config.gemm2.tma_a:
         inter = workspace["inter"][:rows]
         tma_a_gemm_launch(x_sorted, w13, inter, layout, True, activation, config.gemm1).run()
-        if config.gemm2.tma_store:  # TMA cannot scatter rows to their slots: they stay sorted
-            tma_a_gemm_launch(inter, w2, y[:rows], layout, True, None, config.gemm2).run()
-            return y[:rows], layout.slot_rows
-        tma_a_gemm_launch(inter, w2, y[:num_slots], layout, False, None, config.gemm2).run()
+        out, out_sorted = gemm2_output(config.gemm2, y, rows, num_slots)
+        tma_a_gemm_launch(inter, w2, out, layout, out_sorted, None, config.gemm2).run()
+        return out, layout.slot_rows if out_sorted else None
     else:
         inter = workspace["inter"][:num_slots]
         tma_a_gemm_launch(x_sorted, w13, inter, layout, False, activation, config.gemm1).run()

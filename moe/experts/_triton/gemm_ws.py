@@ -53,7 +53,7 @@ def fp8_programs_per_sm(tile: TileConfig, block_m: int, width: int) -> int:
     still compiles; a dense 256-column one does not. Dense bf16 tiles keep one program per SM: their
     one-warpgroup tiles whose rings fit twice ran slower than the tables' tiles that way (session 17).
     H200 timings: benchmarks/results/fp8_block_ws_nvidia-h200.md, bf16_ws_nvidia-h200.md."""
-    ring = tile.num_stages * (block_m + width) * 128
+    ring = ring_bytes(tile, block_m, width, 1)  # e4m3 operands, 128-column K steps
     return 2 if tile.num_warps == 4 and 2 * (ring + _RESERVED_PER_PROGRAM) <= _SHARED_PER_SM else 1
 
 
@@ -100,18 +100,36 @@ def store_descriptor(out: torch.Tensor, block_m: int, block_n: int):
                             gl.NVMMASharedLayout.get_default_for([block_m, block_n], element))
 
 
+def ring_bytes(tile: TileConfig, block_m: int, width: int, element_size: int) -> int:
+    """Shared memory of a ws program's ring: ``num_stages`` K steps of ``block_m`` A rows and ``width`` W rows."""
+    return tile.num_stages * (block_m + width) * tile.block_k * element_size
+
+
+def _dense_shared_parts(tile: TileConfig, block_m: int, gated: bool, element_size: int) -> tuple[int, int, int]:
+    """(W rows per K step, ring bytes, staged output bytes) of a dense ws tile."""
+    width = (2 if gated else 1) * tile.block_n
+    staged = block_m * tile.block_n * element_size if tile.tma_store else 0
+    return width, ring_bytes(tile, block_m, width, element_size), staged
+
+
+def fits_shared_memory(tile: TileConfig, block_m: int, gated: bool, element_size: int) -> bool:
+    """Whether a dense ws tile's ring and, with ``tma_store``, its staged output tile fit beside the driver's share."""
+    _, ring, staged = _dense_shared_parts(tile, block_m, gated, element_size)
+    return ring + staged + _RESERVED_PER_PROGRAM <= _SHARED_PER_SM
+
+
 def check_shared_memory(tile: TileConfig, block_m: int, gated: bool, element_size: int) -> None:
     """A dense ws tile's ring (``num_stages`` K steps of A and W) and, with ``tma_store``, its staged output tile must
-    fit in an SM's shared memory: a clear error before a launch that would fail with "out of resources"."""
-    width = (2 if gated else 1) * tile.block_n
-    ring = tile.num_stages * (block_m + width) * tile.block_k * element_size
-    staged = block_m * tile.block_n * element_size if tile.tma_store else 0
-    if ring + staged + _RESERVED_PER_PROGRAM > _SHARED_PER_SM:
-        raise MoEConfigError(
-            f"a ws tile's ring ({tile.num_stages} stages of {block_m} + {width} rows x {tile.block_k}: {ring} bytes)"
-            f"{f' and its staged output tile ({staged} bytes)' if staged else ''} must fit in "
-            f"{_SHARED_PER_SM - _RESERVED_PER_PROGRAM} bytes of shared memory (got {tile}, block_m {block_m}); use "
-            f"fewer num_stages{' or tma_store=False' if staged else ''}")
+    fit in an SM's shared memory (`fits_shared_memory`): a clear error before a launch that would fail with "out of
+    resources"."""
+    if fits_shared_memory(tile, block_m, gated, element_size):
+        return
+    width, ring, staged = _dense_shared_parts(tile, block_m, gated, element_size)
+    raise MoEConfigError(
+        f"a ws tile's ring ({tile.num_stages} stages of {block_m} + {width} rows x {tile.block_k}: {ring} bytes)"
+        f"{f' and its staged output tile ({staged} bytes)' if staged else ''} must fit in "
+        f"{_SHARED_PER_SM - _RESERVED_PER_PROGRAM} bytes of shared memory (got {tile}, block_m {block_m}); use "
+        f"fewer num_stages{' or tma_store=False' if staged else ''}")
 
 
 def ws_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tensor, layout: BlockLayout,
