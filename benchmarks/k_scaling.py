@@ -76,11 +76,14 @@ def gemm_launches(preset_name: str, quant: str, tokens: int) -> tuple[dict, obje
                for name, (shape, dtype) in workspace_buffers(slots, local, (config.block_m,)).items()}
     layout = align_block_size(ids, weights.expert_map, local, config.block_m, buffers)
     rows = layout.sorted_slots.numel()
-    x_sorted = gather_sorted_rows(x, layout, ids.shape[1], torch.empty(rows, problem.hidden_size, dtype=x.dtype,
-                                                                         device=device))
+    if config.gemm1.gather:  # GEMM1's loader reads x's rows itself
+        a, a_row_div = x, ids.shape[1]
+    else:
+        a, a_row_div = gather_sorted_rows(x, layout, ids.shape[1], torch.empty(rows, problem.hidden_size,
+                                                                              dtype=x.dtype, device=device)), None
     inter = torch.randn(rows, problem.intermediate_size, dtype=x.dtype, device=device)
     y = torch.empty(rows, problem.hidden_size, dtype=x.dtype, device=device)
-    gemm1 = tma_a_gemm_launch(x_sorted, weights.w13, inter, layout, True, problem.activation, config.gemm1)
+    gemm1 = tma_a_gemm_launch(a, weights.w13, inter, layout, True, problem.activation, config.gemm1, a_row_div)
     out, out_sorted = gemm2_output(config.gemm2, y, rows, slots)  # as the layer's GEMM2 writes
     gemm2 = tma_a_gemm_launch(inter, weights.w2, out, layout, out_sorted, None, config.gemm2)
     return {"gemm1": (gemm1, weights.w13.k, config.gemm1.block_k),

@@ -27,12 +27,13 @@ def test_the_tma_a_kernels_k_is_replaced_by_name():
 
 
 def test_the_ws_kernels_k_is_replaced_by_name():
-    """The ws kernel takes its output's TMA descriptor third: K sits one place later than in the TMA-A kernel."""
+    """The ws kernel takes its output's TMA descriptor third and the unsorted rows' pointer fourth: K sits two places
+    later than in the TMA-A kernel."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="needs Triton with Gluon")
-    runtime = ["a_desc", "w_desc", "out_desc", "bias_ptr", "out_ptr", "rows_ptr", "ends_ptr", "counts_ptr",
+    runtime = ["a_desc", "w_desc", "out_desc", "x_ptr", "bias_ptr", "out_ptr", "rows_ptr", "ends_ptr", "counts_ptr",
                "num_experts", "N", "K", "w_rows"]
     launch = _launch("gemm_ws", "moe_gemm_ws_kernel", runtime, dict(GATED=True, TMA_STORE=False, num_warps=8))
-    assert benchmark_script(SCRIPT).with_k(launch, 192).args[10] == 192
+    assert benchmark_script(SCRIPT).with_k(launch, 192).args[11] == 192
 
 
 def test_cut_ks_are_whole_k_steps_and_the_fit_finds_the_intercept():

@@ -47,13 +47,46 @@ def test_ws_tile_rules_name_the_constraint(changes, message):
         TileConfig(**fields)
 
 
-@pytest.mark.parametrize("changes", [dict(ws=False), dict(tma_a=False, wgmma=True, block_k=128)],
-                         ids=["not-ws", "fp8-wgmma"])
-def test_tma_store_is_an_epilogue_of_dense_ws_tiles(changes):
+@pytest.mark.parametrize("changes", [dict(ws=False), dict(tma_a=False, wgmma=True, block_k=128, ws=False)],
+                         ids=["dense-not-ws", "fp8-wgmma-not-ws"])
+def test_tma_store_is_an_epilogue_of_ws_tiles(changes):
     fields = {**dict(block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4, tma=True, tma_a=True, ws=True,
                      tma_store=True), **changes}
-    with pytest.raises(MoEConfigError, match="tma_store=True is an epilogue of the dense ws tiles"):
+    with pytest.raises(MoEConfigError, match="tma_store=True is an epilogue of the ws tiles"):
         TileConfig(**fields)
+    assert TileConfig(128, 128, 8, 8, 4, tma=True, wgmma=True, ws=True, tma_store=True).tma_store  # fp8 ws: allowed
+
+
+def test_gather_is_a_loader_of_dense_ws_tiles_on_gemm1():
+    dense = TileConfig(128, 64, 8, 8, 4, tma=True, tma_a=True, ws=True)
+    with pytest.raises(MoEConfigError, match="gather=True is a loader of the dense ws tiles"):
+        dataclasses.replace(dense, ws=False, gather=True)
+    with pytest.raises(MoEConfigError, match="gather=True is a loader of the dense ws tiles"):
+        TileConfig(128, 128, 8, 8, 4, tma=True, wgmma=True, ws=True, gather=True)
+    gather = dataclasses.replace(dense, gather=True)
+    assert LaunchConfig(128, gather, dense).gemm1.gather
+    with pytest.raises(MoEConfigError, match="gather=True is set on GEMM1 only"):
+        LaunchConfig(128, dense, gather)
+    with pytest.raises(MoEConfigError, match="gather=True is set on GEMM1 only"):
+        LaunchConfig(128, gather, TileConfig(128, 64, 8, 8, 4, tma=True))  # a pointer GEMM2 reads slots' rows
+
+
+@pytest.mark.parametrize("shape, stride, row_div, message", [
+    ((4, 96), None, 8, "K must be a multiple of block_k"),  # 96 columns: one and a half 64-column steps
+    ((4, 128), (130, 1), 8, "rows 16-byte multiples apart"),  # rows 260 bytes apart
+    ((4, 128), None, None, "given the rows per token"),  # not GEMM1 of the sorted pair
+], ids=["k-tail", "row-stride", "no-row-div"])
+def test_gather_tile_on_rows_it_cannot_copy_is_refused(shape, stride, row_div, message):
+    """Checked before any launch, so CPU tensors serve: a clear error naming the constraint, not a wrong result."""
+    from moe.experts._triton.gemm_ws import check_gather
+
+    a = torch.zeros(shape, dtype=torch.bfloat16)
+    if stride is not None:
+        a = torch.zeros(shape[0], stride[0], dtype=torch.bfloat16)[:, :shape[1]]
+    tile = TileConfig(128, 64, 8, 8, 4, tma=True, tma_a=True, ws=True, gather=True)
+    with pytest.raises(MoEConfigError, match=message):
+        check_gather(a, tile, row_div)
+    check_gather(torch.zeros(4, 128, dtype=torch.bfloat16), tile, 8)  # whole steps, 256-byte rows: accepted
 
 
 @pytest.mark.parametrize("tile, block_m, gated, fits", [
@@ -116,6 +149,17 @@ def test_fp8_ws_programs_per_sm_follow_the_ring(block_m, num_warps, width, stage
     assert fp8_programs_per_sm(tile, block_m, width) == programs
 
 
+def test_fp8_ws_tiles_storing_by_tma_count_their_output_tile_in_the_fit():
+    """Qwen3's GEMM2 tile (64 x 128, 16 KiB of bf16 output staged for its TMA store) still runs two programs per SM
+    on a ring of 4 (2 x 113.25 KiB of 228) or 3; 768 bytes more beside the ring of 4 would leave one."""
+    tile = TileConfig(128, 128, 8, 4, 4, tma=True, wgmma=True, ws=True, tma_store=True)
+    staged = 64 * 128 * 2
+    for stages in (3, 4):
+        assert fp8_programs_per_sm(dataclasses.replace(tile, num_stages=stages), 64, 128, staged) == 2
+    assert fp8_programs_per_sm(tile, 64, 128, staged + 768) == 2
+    assert fp8_programs_per_sm(tile, 64, 128, staged + 776) == 1
+
+
 def test_ws_config_on_a_cpu_is_a_clear_error():
     """A ws tile where no SM90 GPU is (here, the CPU) raises naming the tile kind and the device."""
     p = make_problem()
@@ -140,6 +184,10 @@ VARIANTS = [
     {"GATED": False, "ACTIVATION": 0, "BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 8, "STAGES": 3,
      "TMA_STORE": True},
     {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "TMA_STORE": True},
+    # GEMM1's loader copying x's rows by cp.async (four loader warps): Qwen3 / Mixtral's tile, GPT-OSS's 64-row one
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "TMA_STORE": True, "GATHER": True, "A_ROW_DIV": 8},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "ACTIVATION": 3, "HAS_BIAS": True, "GATHER": True,
+     "A_ROW_DIV": 4},
 ]
 
 
@@ -157,6 +205,16 @@ FP8_VARIANTS = [
     # an ungated (relu2) GEMM1: the epilogue applies its activation too
     {"kernel": "fp8_ws", "GATED": False, "ACTIVATION": 4, "BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4,
      "programs": 2},
+    # GEMM2 storing its sorted tile by TMA: Qwen3's 64 x 128 (two programs per SM, rings of 4 and 3), the DeepSeek
+    # slice's 128 x 128
+    {"kernel": "fp8_ws", "GATED": False, "ACTIVATION": 0, "BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4,
+     "TMA_STORE": True, "programs": 2},
+    {"kernel": "fp8_ws", "GATED": False, "ACTIVATION": 0, "BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4,
+     "TMA_STORE": True, "STAGES": 3, "programs": 2},
+    # Qwen3's GEMM1 (gated 64 x (2 x 64)) storing by TMA, two programs per SM
+    {"kernel": "fp8_ws", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "TMA_STORE": True, "programs": 2},
+    {"kernel": "fp8_ws", "GATED": False, "ACTIVATION": 0, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8,
+     "TMA_STORE": True},
 ]
 
 
@@ -194,6 +252,10 @@ def test_ws_kernel_compiles_for_sm90_without_spills_or_serialized_wgmmas(compile
     # a TMA_STORE tile sends its staged tile out by TMA and waits before it writes the buffer again; others do not
     staged = bool(variant.get("TMA_STORE"))
     assert (report["tma_stores"] > 0, report["store_waits"] > 0) == (staged, staged)
+    # a GATHER tile's loader copies A's rows by cp.async and its threads arrive on the ring's barrier when they
+    # land; others load A by TMA
+    gather = bool(variant.get("GATHER"))
+    assert (report["row_copies"] > 0, report["copy_arrivals"] > 0) == (gather, gather)
 
 
 def test_tuner_tries_ws_tiles_on_sm90_for_16_bit_schemes_where_blocks_fill():
@@ -217,8 +279,9 @@ def test_tuner_tries_each_ws_tile_with_gemm2_storing_by_tma_and_every_one_fits()
     for rows in (64.0, 256.0):
         candidates = ws_candidates("bf16", rows, (9, 0))
         plain = [c for c in candidates if not c.gemm2.tma_store]
-        stored = [c for c in candidates if c.gemm2.tma_store]
-        assert len(stored) == len(plain) > 0
+        stored = [c for c in candidates if c.gemm2.tma_store and not c.gemm1.gather]
+        gathered = [c for c in candidates if c.gemm1.gather]
+        assert len(stored) == len(plain) > 0 and len(gathered) == 1 and gathered[0].gemm2.tma_store
         for config in candidates:
             check_shared_memory(config.gemm1, config.block_m, True, 2)
             check_shared_memory(config.gemm2, config.block_m, False, 2)
@@ -271,11 +334,15 @@ def test_fp8_ws_tiles_within_the_limits_pass_the_check(fp8_weights):
 
 
 def test_tuner_tries_fp8_ws_tiles_that_fit_their_registers(fp8_weights):
+    from moe.experts._triton.gemm_ws import check_shared_memory
     from moe.tools.tune import wgmma_candidates
 
     configs = wgmma_candidates("fp8_block", 256.0, (9, 0))
     ws = [c for c in configs if c.gemm1.ws]
     assert ws and all(c.gemm2.ws and c.gemm1.wgmma for c in ws)
-    for c in ws:  # the launcher's own check (it raises on a tile that would spill)
+    assert any(c.gemm2.tma_store for c in ws) and any(not c.gemm2.tma_store for c in ws)
+    for c in ws:  # the launcher's own checks (it raises on a tile that would spill, or not fit)
         check_wgmma_operands(fp8_weights.w13, c.gemm1, True, c.block_m)
         check_wgmma_operands(fp8_weights.w2, c.gemm2, False, c.block_m)
+        check_shared_memory(c.gemm1, c.block_m, True, 1, 2)
+        check_shared_memory(c.gemm2, c.block_m, False, 1, 2)

@@ -180,8 +180,8 @@ class TritonExperts(Experts):
             if act is not QuantFormat.FP8_BLOCK:
                 raise MoEConfigError(f"wgmma=True configs run fp8_block activations and weights (the GEMMs read "
                                      f"{act.value}); use a config without wgmma for {p.quant.name}")
-            y = sorted_wgmma_gemms(x, x_scale, weights.w13, weights.w2, layout, p.activation, config, workspace,
-                                   slots, k)
+            y, slot_rows = sorted_wgmma_gemms(x, x_scale, weights.w13, weights.w2, layout, p.activation, config,
+                                              workspace, slots, k)
         else:
             inter = workspace["inter"][:slots]
             grouped_gemm(x, x_scale, weights.w13, inter, rows1, p.activation, config.block_m, config.gemm1)

@@ -6,7 +6,7 @@ installed Triton's frontend and its bundled ptxas, as in tests/test_triton_compi
 process of its own (``python -m moe.testing.gluon_compile '<variants as JSON>'``): ``TRITON_INTERPRET`` must
 be off when the kernel module is imported, and `main` turns it off. Prints one JSON line: per variant, the
 registers, the spilled bytes, whether ptxas serialized the wgmmas (its C7514 "Potential Performance Loss"
-note), the wgmmas and the TMA stores in the PTX, or the error.
+note), the wgmmas, the TMA stores and the cp.async row copies in the PTX, or the error.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ DEFAULTS = dict(GATED=True, ACTIVATION=1, HAS_BIAS=False, OUT_SORTED=True, E_PAD
 # the kernels: (module, name, its extra defaults, the operands' element type and Gluon name, block_k)
 KERNELS = {
     "fp8": ("_gemm_wgmma", "moe_gemm_fp8_wgmma_kernel", {}, "fp8e4nv", "float8e4nv", 128),
-    "ws": ("_gemm_ws", "moe_gemm_ws_kernel", dict(BLOCK_K=64, LOADER_REGS=40, TMA_STORE=False), "bf16", "bfloat16",
-           64),
-    "fp8_ws": ("_gemm_ws", "moe_gemm_fp8_ws_kernel", dict(LOADER_REGS=40), "fp8e4nv", "float8e4nv", 128),
+    "ws": ("_gemm_ws", "moe_gemm_ws_kernel", dict(BLOCK_K=64, TMA_STORE=False, GATHER=False, A_ROW_DIV=1), "bf16",
+           "bfloat16", 64),
+    "fp8_ws": ("_gemm_ws", "moe_gemm_fp8_ws_kernel", dict(TMA_STORE=False), "fp8e4nv", "float8e4nv", 128),
 }
 
 
@@ -42,9 +42,8 @@ def _signature(fn, consts: dict, kernel: str) -> dict:
     # the output's (bf16), as the launch makes it for a TMA store
     out_desc = desc(consts["BLOCK_M"], consts["BLOCK_N"], "bf16", "bfloat16")
     types = {"a_desc": desc(consts["BLOCK_M"]), "w_desc": desc(consts["BLOCK_N"]), "out_desc": out_desc,
-             "a_scale_ptr": "*fp32",
-             "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "alpha": "fp32", "beta": "fp32",
-             "limit": "fp32"}
+             "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "x_ptr": "*bf16",
+             "alpha": "fp32", "beta": "fp32", "limit": "fp32"}
     return {n: "constexpr" if n in consts else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
             for n in fn.arg_names}
 
@@ -75,8 +74,15 @@ def compile_variant(overrides: dict) -> dict:
     module, name, extra, *_ = KERNELS[kernel_kind]
     fn = getattr(importlib.import_module(f"moe.experts._triton.{module}"), name)
     consts = {**DEFAULTS, **extra, **overrides}
+    if kernel_kind in ("ws", "fp8_ws") and "LOADER_REGS" not in consts:  # the loader's registers, as the launch sets
+        from moe.experts._triton.gemm_ws import GATHER_LOADER_REGS, LOADER_REGS
+
+        consts["LOADER_REGS"] = GATHER_LOADER_REGS if consts.get("GATHER") else LOADER_REGS
+    # the gathering loader's cp.async copies need x_ptr known 16-byte aligned, as Triton's launcher specializes
+    # a 16-byte-aligned pointer argument (torch's allocations are)
+    attrs = {(fn.arg_names.index("x_ptr"),): [["tt.divisibility", 16]]} if "x_ptr" in fn.arg_names else {}
     source = GluonASTSource(fn=fn, signature=_signature(fn, consts, kernel_kind),
-                            constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+                            constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 128),
                             options=dict(num_warps=consts["num_warps"], **options))
     ptxas = _ptxas()
@@ -94,7 +100,10 @@ def compile_variant(overrides: dict) -> dict:
             "wgmma": kernel.asm["ptx"].count("wgmma.mma_async"),
             # TMA stores of a staged tile (shared -> global), and the waits before the staging buffer is reused
             "tma_stores": kernel.asm["ptx"].count("cp.async.bulk.tensor.2d.global.shared::cta"),
-            "store_waits": kernel.asm["ptx"].count("cp.async.bulk.wait_group")}
+            "store_waits": kernel.asm["ptx"].count("cp.async.bulk.wait_group"),
+            # the gathering loader's row copies, and its threads' arrivals on the ring's barrier once they land
+            "row_copies": len(re.findall(r"cp\.async\.c[ag]\.shared\.global", kernel.asm["ptx"])),
+            "copy_arrivals": kernel.asm["ptx"].count("cp.async.mbarrier.arrive.noinc")}
 
 
 def main(argv: list[str]) -> None:

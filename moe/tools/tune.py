@@ -108,19 +108,23 @@ def wgmma_candidates(scheme: str, rows_per_expert: float, capability: tuple[int,
     """Whole-stage configs of the pipelined-wgmma GEMMs (gemm_wgmma.py): fp8_block on SM90, where blocks of
     64+ rows fill. They go straight to the end-to-end round of `tune_bucket`: their GEMM1 includes the gather
     and their GEMM2 reads rows only a wgmma GEMM1 writes, so they pair only with each other. The first two
-    were the fastest of session 9's H100 runs (benchmarks/results/fp8_block_wgmma_nvidia-h100.md); the last
-    four are ``ws`` tiles, the warp-specialized persistent kernel on the same operands (gemm_ws.py), the
-    64-row ones two programs per SM (`gemm_ws.fp8_programs_per_sm`)."""
+    were the fastest of session 9's H100 runs (benchmarks/results/fp8_block_wgmma_nvidia-h100.md); the
+    others are ``ws`` tiles, the warp-specialized persistent kernel on the same operands (gemm_ws.py), the
+    64-row ones two programs per SM (`gemm_ws.fp8_programs_per_sm`), each also with both GEMMs storing their
+    tiles by TMA (``tma_store``: 4.5-14% faster at the H200's 128-row buckets, 4-8% at its 64-row ones)."""
     if scheme != "fp8_block" or capability != (9, 0) or rows_per_expert < 32:
         return []
 
-    def config(block_m: int, gemm1_n: int, gemm2_n: int, warps: int, stages: int = 4, ws: bool = False):
-        tile = TileConfig(gemm1_n, 128, 8, warps, stages, tma=True, wgmma=True, ws=ws)
+    def config(block_m: int, gemm1_n: int, gemm2_n: int, warps: int, stages: int = 4, ws: bool = False,
+               stored: bool = False):
+        tile = TileConfig(gemm1_n, 128, 8, warps, stages, tma=True, wgmma=True, ws=ws, tma_store=stored)
         return LaunchConfig(block_m, tile, dataclasses.replace(tile, block_n=gemm2_n))
 
     # the warp-specialized persistent twins (gemm_ws.py): wgmmas up to 128 columns wide
     ws = [config(128, 64, 128, 8, ws=True), config(128, 64, 128, 8, stages=6, ws=True),
-          config(64, 64, 128, 4, ws=True), config(64, 64, 128, 4, stages=3, ws=True)]
+          config(64, 64, 128, 4, ws=True), config(64, 64, 128, 4, stages=3, ws=True),
+          config(128, 64, 128, 8, ws=True, stored=True), config(64, 64, 128, 4, ws=True, stored=True),
+          config(64, 64, 128, 4, stages=3, ws=True, stored=True)]
     return [config(64, 64, 128, 4), config(128, 64, 128, 8), config(64, 32, 128, 4), config(64, 64, 256, 8),
             config(128, 64, 128, 8, stages=3), *ws]
 
@@ -132,7 +136,8 @@ def ws_candidates(scheme: str, rows_per_expert: float, capability: tuple[int, in
     (benchmarks/results/bf16_ws_nvidia-h200.md): 128 x (2 x 128) / 128 x 256 on 8 warps from 256 rows per
     expert, 64-row blocks below. Each comes twice: as it is, and with GEMM2 storing its sorted tile by TMA
     (``tma_store``, session 31: the epilogue runs under the next tile's K steps), on a ring of 3 where 4 and the
-    staged tile would not fit in shared memory."""
+    staged tile would not fit in shared memory. The first of the latter comes a third time with GEMM1's loader
+    copying x's rows itself (``gather``, session 32: faster only at Qwen3-30B-A3B's M = 16384 on the H200)."""
     if scheme not in TMA_A_SCHEMES or capability != (9, 0) or rows_per_expert < 32:
         return []
 
@@ -150,7 +155,9 @@ def ws_candidates(scheme: str, rows_per_expert: float, capability: tuple[int, in
         plain = [config(128, 128, 256, 8), config(128, 128, 128, 8)]
     else:
         plain = [config(64, 128, 256, 4), config(64, 128, 256, 8), config(128, 128, 256, 8)]
-    return plain + [stored(c) for c in plain]
+    first = stored(plain[0])
+    return plain + [stored(c) for c in plain] + [dataclasses.replace(first, gemm1=dataclasses.replace(
+        first.gemm1, gather=True))]
 
 
 # --- one shape ---------------------------------------------------------------------------------------

@@ -26,10 +26,14 @@ pytest.importorskip("triton")
 PRESETS = ("qwen3-30b-a3b", "deepseek-v3-ep8-slice", "gpt-oss-120b")
 
 
-def wgmma_tiles(block_m=64, num_warps=4, gemm1_n=64, gemm2_n=128, stages=4, ws=(False, False)) -> LaunchConfig:
-    """``ws``: which GEMMs run the warp-specialized persistent kernel (gemm_ws.py)."""
-    return LaunchConfig(block_m, TileConfig(gemm1_n, 128, 8, num_warps, stages, tma=True, wgmma=True, ws=ws[0]),
-                        TileConfig(gemm2_n, 128, 8, num_warps, stages, tma=True, wgmma=True, ws=ws[1]))
+def wgmma_tiles(block_m=64, num_warps=4, gemm1_n=64, gemm2_n=128, stages=4, ws=(False, False),
+                stores=(False, False)) -> LaunchConfig:
+    """``ws``: which GEMMs run the warp-specialized persistent kernel (gemm_ws.py); ``stores``: which of those
+    store by TMA (``tma_store``; GEMM2's rows then stay sorted)."""
+    return LaunchConfig(block_m, TileConfig(gemm1_n, 128, 8, num_warps, stages, tma=True, wgmma=True, ws=ws[0],
+                                            tma_store=stores[0]),
+                        TileConfig(gemm2_n, 128, 8, num_warps, stages, tma=True, wgmma=True, ws=ws[1],
+                                   tma_store=stores[1]))
 
 
 def pointer_tiles(block_m=64) -> LaunchConfig:
@@ -79,17 +83,29 @@ BOTH = (True, True)
     wgmma_tiles(), wgmma_tiles(128, 8), wgmma_tiles(64, 8, gemm2_n=256), wgmma_tiles(64, 4, gemm1_n=32, stages=6),
     wgmma_tiles(128, 8, ws=BOTH), wgmma_tiles(64, 4, ws=BOTH), wgmma_tiles(128, 8, gemm1_n=32, stages=6, ws=BOTH),
     wgmma_tiles(128, 8, ws=(True, False)), wgmma_tiles(128, 8, ws=(False, True)),
+    wgmma_tiles(128, 8, ws=BOTH, stores=BOTH), wgmma_tiles(64, 4, ws=BOTH, stores=(False, True)),
 ], ids=["64-w4", "128-w8", "64-w8-n256", "64-w4-n32-s6", "ws-128-w8", "ws-64-w4", "ws-128-w8-n32-s6",
-        "ws-gemm1-only", "ws-gemm2-only"])
+        "ws-gemm1-only", "ws-gemm2-only", "ws-128-w8-tma-both", "ws-64-w4-tma-gemm2"])
 def test_wgmma_equals_pointer_path_and_reference(layer, tokens, config):
     # the same products summed in the same K order (128-column steps); only the schedule differs
     check_against_pointer_and_reference(layer, tokens, config, pointer_tiles(config.block_m), 1e-2)
 
 
-@pytest.mark.parametrize("config", [wgmma_tiles(), wgmma_tiles(128, 8, ws=BOTH)], ids=["wgmma", "ws"])
+@pytest.mark.parametrize("config", [wgmma_tiles(), wgmma_tiles(128, 8, ws=BOTH),
+                                    wgmma_tiles(64, 4, ws=BOTH, stores=BOTH)], ids=["wgmma", "ws", "ws-tma-stores"])
 def test_wgmma_cuda_graph_replay_equals_eager(layer, config):
     p, experts, prepared, _ = layer
     assert_replay_equals_eager_without_sync(experts, only(prepared, config, 256), p, 256)
+
+
+def test_fp8_ws_tma_store_equals_register_stores_bit_for_bit(layer):
+    """GEMM2 storing its sorted tile by TMA (the sum over k gathering through slot_rows) gives the layer's output of
+    the register-store tiles exactly: the same products, stored elsewhere."""
+    p, experts, prepared, _ = layer
+    x, topk, dispatched = dispatched_for(p, 256)
+    want = run(experts, dispatched, only(prepared, wgmma_tiles(64, 4, ws=BOTH), 256)).float()
+    got = run(experts, dispatched, only(prepared, wgmma_tiles(64, 4, ws=BOTH, stores=(False, True)), 256)).float()
+    assert torch.equal(got, want)
 
 
 def test_fp8_ws_tile_too_wide_for_its_registers_is_refused():

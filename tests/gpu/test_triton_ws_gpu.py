@@ -27,10 +27,11 @@ PRESETS = ("qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-120b", "deepseek-v3-ep8-sli
 
 
 def ws_tiles(block_m=128, num_warps=8, gemm1_n=128, gemm2_n=256, stages=4, block_k=64, stores=(False, False),
-             stages2=None) -> LaunchConfig:
-    """``stores``: (GEMM1's, GEMM2's) ``tma_store``; ``stages2``: GEMM2's ring when not ``stages``."""
+             stages2=None, gather=False) -> LaunchConfig:
+    """``stores``: (GEMM1's, GEMM2's) ``tma_store``; ``stages2``: GEMM2's ring when not ``stages``; ``gather``:
+    GEMM1's loader copies x's rows itself."""
     return LaunchConfig(block_m, TileConfig(gemm1_n, block_k, 8, num_warps, stages, tma=True, tma_a=True, ws=True,
-                                            tma_store=stores[0]),
+                                            tma_store=stores[0], gather=gather),
                         TileConfig(gemm2_n, block_k, 8, num_warps, stages2 or stages, tma=True, tma_a=True, ws=True,
                                    tma_store=stores[1]))
 
@@ -42,29 +43,46 @@ def layer(request):
 
 def plain(config: LaunchConfig) -> LaunchConfig:
     """The same tiles on the pointer path (A gathered by pointer loads, W by TMA)."""
-    return LaunchConfig(config.block_m, *(dataclasses.replace(t, tma_a=False, ws=False, tma_store=False)
+    return LaunchConfig(config.block_m, *(dataclasses.replace(t, tma_a=False, ws=False, tma_store=False, gather=False)
                                           for t in (config.gemm1, config.gemm2)))
 
 
 CONFIGS = [ws_tiles(), ws_tiles(128, 8, 64, 128, 6), ws_tiles(64, 4, 128, 128, 4), ws_tiles(64, 8, 64, 256, 5),
            # the TMA store epilogue: GEMM2's rows stay sorted and the sum over k gathers them by slot
            ws_tiles(stores=(True, True), stages2=3), ws_tiles(stores=(False, True), stages2=3),
-           ws_tiles(64, 4, 128, 256, 4, stores=(True, True))]
+           ws_tiles(64, 4, 128, 256, 4, stores=(True, True)),
+           # GEMM1's loader copying x's rows by cp.async (no gather kernel)
+           ws_tiles(stores=(True, True), stages2=3, gather=True), ws_tiles(64, 4, 128, 128, 4, gather=True)]
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 33, 256, 1024])
 @pytest.mark.parametrize("config", CONFIGS, ids=["128-w8", "128-w8-n64-s6", "64-w4", "64-w8-n64-s5",
-                                                 "128-w8-tma-both", "128-w8-tma-gemm2", "64-w4-tma-both"])
+                                                 "128-w8-tma-both", "128-w8-tma-gemm2", "64-w4-tma-both",
+                                                 "128-w8-gather-tma-both", "64-w4-gather"])
 def test_ws_equals_pointer_path_and_reference(layer, tokens, config):
     # the same products; only the wgmma schedule and bf16 rounding of the intermediate differ
     check_against_pointer_and_reference(layer, tokens, config, plain(config), 2e-2)
 
 
-@pytest.mark.parametrize("stores", [(False, False), (True, True)], ids=["register-stores", "tma-stores"])
-def test_ws_cuda_graph_replay_equals_eager(layer, stores):
+@pytest.mark.parametrize("stores, gather", [((False, False), False), ((True, True), False), ((True, True), True)],
+                         ids=["register-stores", "tma-stores", "gather-tma-stores"])
+def test_ws_cuda_graph_replay_equals_eager(layer, stores, gather):
     p, experts, prepared, _ = layer
-    config = ws_tiles(stores=stores, stages2=3 if stores[1] else None)
+    config = ws_tiles(stores=stores, stages2=3 if stores[1] else None, gather=gather)
     assert_replay_equals_eager_without_sync(experts, only(prepared, config, 256), p, 256)
+
+
+@pytest.mark.parametrize("tokens", [33, 1024])
+def test_ws_gather_loader_equals_the_gather_kernel_bit_for_bit(layer, tokens):
+    """GEMM1's loader copying x's rows itself (cp.async) feeds the wgmmas the same rows the gather kernel writes:
+    the layer's output is the same bit for bit."""
+    p, experts, prepared, _ = layer
+    x, topk, dispatched = dispatched_for(p, tokens)
+    want = run(experts, dispatched, only(prepared, ws_tiles(stores=(True, True), stages2=3), tokens)).float()
+    got = run(experts, dispatched, only(prepared, ws_tiles(stores=(True, True), stages2=3, gather=True),
+                                        tokens)).float()
+    assert torch.equal(got, want)
+
 
 
 def test_ws_tma_store_leaves_gemm2_rows_sorted_and_the_sum_gathers_them(layer):

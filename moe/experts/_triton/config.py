@@ -57,11 +57,16 @@ class TileConfig:
     # gemm_ws.fp8_programs_per_sm); block_m >= 64. On a tma_a tile (dense bf16/fp16) or a wgmma one
     # (fp8_block: the wgmma tile's scaled K steps).
     ws: bool = False
-    # ws tiles of the dense GEMMs (tma_a): the epilogue stages the tile in shared memory and stores it by one TMA
+    # ws tiles (dense or fp8_block): the epilogue stages the tile in shared memory and stores it by one TMA
     # store, which runs on under the next tile's K steps. GEMM2 then writes its rows in sorted order, and the sum
     # over k reads them through the layout's slot_rows. The ring and a [block_m, block_n] output tile must fit in
-    # shared memory together (gemm_ws.check_shared_memory).
+    # shared memory together (gemm_ws.check_shared_memory; an fp8 tile that no longer fits twice runs one program
+    # per SM, gemm_ws.fp8_programs_per_sm).
     tma_store: bool = False
+    # GEMM1's dense ws tile: no gather kernel first. Its loader (four warps) copies each K step's A rows straight
+    # from the unsorted activations by cp.async (16 bytes a copy), the weights still by TMA (gemm_ws.py); K must be
+    # a multiple of block_k and the rows 16-byte multiples apart.
+    gather: bool = False
 
     def __post_init__(self):
         if self.tma_a and not self.tma:
@@ -76,9 +81,11 @@ class TileConfig:
             raise MoEConfigError(f"ws=True tiles are tma_a=True (dense) or wgmma=True (fp8_block) tiles, A gathered "
                                  f"and both operands by TMA, with num_warps 4 or 8, block_k 32, 64 or 128 and "
                                  f"num_stages >= 2 (got {self})")
-        if self.tma_store and not (self.ws and self.tma_a):
-            raise MoEConfigError(f"tma_store=True is an epilogue of the dense ws tiles: it needs ws=True and "
-                                 f"tma_a=True (got {self})")
+        if self.tma_store and not self.ws:
+            raise MoEConfigError(f"tma_store=True is an epilogue of the ws tiles: it needs ws=True (got {self})")
+        if self.gather and not (self.ws and self.tma_a):
+            raise MoEConfigError(f"gather=True is a loader of the dense ws tiles: it needs ws=True and tma_a=True "
+                                 f"(got {self})")
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,10 @@ class LaunchConfig:
             raise MoEConfigError(f"tma_a=True tiles need sorted rows; a direct config has none (got {self})")
         if (self.gemm1.ws or self.gemm2.ws) and self.block_m < 64:
             raise MoEConfigError(f"ws=True tiles take block_m >= 64, 64 rows per warpgroup's wgmma (got {self})")
+        if self.gemm2.gather or (self.gemm1.gather and not self.gemm2.tma_a):
+            raise MoEConfigError(f"gather=True is set on GEMM1 only, with gemm2.tma_a=True: GEMM1 reads the "
+                                 f"unsorted activations, GEMM2 the intermediate GEMM1 writes in sorted order "
+                                 f"(got {self})")
         if self.gemm1.wgmma != self.gemm2.wgmma or (self.direct and self.gemm1.wgmma):
             raise MoEConfigError(f"wgmma=True is set on both GEMMs of a sorted config or on neither: the second "
                                  f"GEMM reads the sorted fp8 rows the first writes (got {self})")

@@ -75,15 +75,17 @@ def _check_operands(a_sorted: torch.Tensor, w: WeightOperand) -> None:
 
 
 def tma_a_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tensor, layout: BlockLayout,
-                      out_sorted: bool, activation: Activation | None, tile: TileConfig) -> Launch:
+                      out_sorted: bool, activation: Activation | None, tile: TileConfig,
+                      a_row_div: int | None = None) -> Launch:
     """The launch of ``out = act(a_sorted @ w[expert].T + bias)`` over the layout's blocks; ``a_sorted``
     holds the layout's rows in order; ``out_sorted``: output row r, else row ``slot[r]``. A ``ws`` tile
-    launches the warp-specialized Gluon kernel instead (gemm_ws.py)."""
+    launches the warp-specialized Gluon kernel instead (gemm_ws.py); a ``gather`` one reads row
+    ``slot // a_row_div`` of the unsorted ``a_sorted`` for each slot."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     _check_operands(a_sorted, w)
     if tile.ws:
-        return ws_gemm_launch(a_sorted, w, out, layout, out_sorted, activation, tile)
+        return ws_gemm_launch(a_sorted, w, out, layout, out_sorted, activation, tile, a_row_div)
     block_m = layout.block_m
     gated = activation is not None and activation.is_gated
     n_out, k = out.shape[1], w.k
@@ -105,9 +107,9 @@ def tma_a_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tenso
 
 
 def gemm2_output(tile: TileConfig, y: torch.Tensor, rows: int, num_slots: int) -> tuple[torch.Tensor, bool]:
-    """Where a TMA-A GEMM2 with ``tile`` writes, and whether its rows stay sorted: ``y``'s first ``rows`` (the
-    layout's, padding included) in sorted order where the tile stores by TMA (``tma_store``: TMA cannot scatter rows
-    to their slots), else ``y``'s first ``num_slots``, one per slot."""
+    """Where a GEMM2 with ``tile`` (TMA-A here, or `gemm_wgmma`'s fp8) writes, and whether its rows stay sorted:
+    ``y``'s first ``rows`` (the layout's, padding included) in sorted order where the tile stores by TMA
+    (``tma_store``: TMA cannot scatter rows to their slots), else ``y``'s first ``num_slots``, one per slot."""
     return (y[:rows], True) if tile.tma_store else (y[:num_slots], False)
 
 
@@ -120,16 +122,19 @@ def sorted_tma_a_gemms(x: torch.Tensor, w13: WeightOperand, w2: WeightOperand, l
     (slot s's row of y), for the sum over k."""
     rows = layout.sorted_slots.numel()
     y = workspace["y"]
-    x_sorted = gather_sorted_rows(x, layout, top_k, y)  # read by GEMM1 before GEMM2 writes y
+    if config.gemm1.gather:  # GEMM1's loader copies x's rows itself (gemm_ws.py)
+        a, a_row_div = x, top_k
+    else:
+        a, a_row_div = gather_sorted_rows(x, layout, top_k, y), None  # read by GEMM1 before GEMM2 writes y
     if config.gemm2.tma_a:
         inter = workspace["inter"][:rows]
-        tma_a_gemm_launch(x_sorted, w13, inter, layout, True, activation, config.gemm1).run()
+        tma_a_gemm_launch(a, w13, inter, layout, True, activation, config.gemm1, a_row_div).run()
         out, out_sorted = gemm2_output(config.gemm2, y, rows, num_slots)
         tma_a_gemm_launch(inter, w2, out, layout, out_sorted, None, config.gemm2).run()
         return out, layout.slot_rows if out_sorted else None
     else:
         inter = workspace["inter"][:num_slots]
-        tma_a_gemm_launch(x_sorted, w13, inter, layout, False, activation, config.gemm1).run()
+        tma_a_gemm_launch(a, w13, inter, layout, False, activation, config.gemm1).run()
         grouped_gemm(inter, None, w2, y[:num_slots], SortedRows(layout, num_slots, 1), None,
                      config.block_m, config.gemm2)
     return y[:num_slots], None

@@ -25,8 +25,8 @@ from moe.experts._triton import cdiv
 from moe.experts._triton.align import BlockLayout, experts_pad
 from moe.experts._triton.config import LaunchConfig, TileConfig
 from moe.experts._triton.gemm import Launch, activation_args, activation_code, bias_args
-from moe.experts._triton.gemm_tma_a import gather_launch
-from moe.experts._triton.gemm_ws import fp8_programs_per_sm, persistent_launch
+from moe.experts._triton.gemm_tma_a import gather_launch, gemm2_output
+from moe.experts._triton.gemm_ws import check_shared_memory, fp8_programs_per_sm, persistent_launch, store_descriptor
 from moe.experts._triton.rows import GROUP, quantize_fp8_rows
 from moe.experts._triton.support import require_sm90
 from moe.experts._triton.weights import WeightOperand
@@ -79,6 +79,8 @@ def wgmma_gemm_launch(a_sorted: torch.Tensor, a_scale: torch.Tensor, w: WeightOp
     bias, bias_strides = bias_args(w)
     operands = (a_desc, w_desc, a_scale, w.scale, bias, out, layout.sorted_slots, layout.expert_ends,
                 layout.expert_counts)
+    # a ws tile with tma_store sends a sorted output out by TMA (None where TMA cannot address it)
+    out_desc = store_descriptor(out, block_m, tile.block_n) if tile.ws and tile.tma_store and out_sorted else None
     shape = (num_experts, n_out, k, w.data.shape[1], a_scale.stride(0), *w.scale.stride(), *bias_strides,
              out.stride(0), out.stride(1), *activation_args(activation))
     constexprs = dict(
@@ -90,8 +92,12 @@ def wgmma_gemm_launch(a_sorted: torch.Tensor, a_scale: torch.Tensor, w: WeightOp
     if tile.ws:  # the persistent kernel walks the blocks the routing filled: no block count
         require_sm90(a_sorted.device, "ws")
         width = 2 * tile.block_n if gated else tile.block_n
+        check_shared_memory(tile, block_m, gated, 1, out.element_size())
+        staged = block_m * tile.block_n * out.element_size() if out_desc is not None else 0
+        operands = operands[:2] + (out_desc or a_desc,) + operands[2:]
         return persistent_launch("moe_gemm_fp8_ws_kernel", a_sorted, layout, n_out, tile, operands + shape,
-                                 constexprs, fp8_programs_per_sm(tile, block_m, width))
+                                 dict(constexprs, TMA_STORE=out_desc is not None),
+                                 fp8_programs_per_sm(tile, block_m, width, staged))
     grid = (layout.max_blocks * cdiv(n_out, tile.block_n),)
     return Launch(grid, operands + (layout.max_blocks,) + shape, dict(constexprs, num_warps=tile.num_warps),
                   kernel=(_MODULE, "moe_gemm_fp8_wgmma_kernel"))
@@ -99,9 +105,11 @@ def wgmma_gemm_launch(a_sorted: torch.Tensor, a_scale: torch.Tensor, w: WeightOp
 
 def sorted_wgmma_gemms(x_q: torch.Tensor, x_scale: torch.Tensor, w13: WeightOperand, w2: WeightOperand,
                        layout: BlockLayout, activation: Activation, config: LaunchConfig, workspace,
-                       num_slots: int, top_k: int) -> torch.Tensor:
-    """Both GEMMs of a ``wgmma`` config (the module docstring): ``y [num_slots, H]`` in the workspace's
-    ``y``, from ``x_q [M, H]`` e4m3 and ``x_scale [M, H / 128]``; no allocation."""
+                       num_slots: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Both GEMMs of a ``wgmma`` config (the module docstring), in the workspace's ``y``, from ``x_q [M, H]`` e4m3
+    and ``x_scale [M, H / 128]``; no allocation. Returns ``(y, slot_rows)`` as `gemm_tma_a.sorted_tma_a_gemms`:
+    ``y [num_slots, H]`` and None, or, where GEMM2's ws tile stores by TMA, the sorted rows and the layout's
+    ``slot_rows``."""
     require_sm90(x_q.device, "wgmma")
     rows = layout.sorted_slots.numel()
     hidden, inter_size = x_q.shape[1], w2.k
@@ -116,5 +124,6 @@ def sorted_wgmma_gemms(x_q: torch.Tensor, x_scale: torch.Tensor, w13: WeightOper
     inter_q = workspace["inter_q"][:rows]
     inter_scale = workspace["inter_scale"].view(-1)[:cdiv(inter_size, GROUP) * rows].view(-1, rows)
     quantize_fp8_rows(inter, QuantFormat.FP8_BLOCK, inter_q, inter_scale.t(), workspace["inter_amax"])
-    wgmma_gemm_launch(inter_q, inter_scale, w2, y[:num_slots], layout, False, None, config.gemm2).run()
-    return y[:num_slots]
+    out, out_sorted = gemm2_output(config.gemm2, y, rows, num_slots)
+    wgmma_gemm_launch(inter_q, inter_scale, w2, out, layout, out_sorted, None, config.gemm2).run()
+    return out, layout.slot_rows if out_sorted else None

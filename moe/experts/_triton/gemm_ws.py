@@ -30,7 +30,8 @@ from moe.experts._triton.support import require_sm90
 from moe.experts._triton.weights import WeightOperand
 
 _MODULE = "gemm_ws"
-LOADER_REGS = 40  # the loader warp's registers (scalar work: the tile walk and its TMA issues)
+LOADER_REGS = 32  # the loader warp's registers (scalar work: the tile walk and its TMA issues)
+GATHER_LOADER_REGS = 40  # a gather tile's four loader warps hold the block's row pointers too (32 spilled 8 bytes)
 _REGISTER_FILE = 65536  # 32-bit registers per SM (SM90)
 _SHARED_PER_SM = 228 * 1024  # bytes of shared memory per SM (SM90)
 _RESERVED_PER_PROGRAM = 1024 + 256  # the driver's 1 KiB per resident program, and the ring's mbarriers
@@ -44,17 +45,18 @@ def max_registers(num_warps: int, programs_per_sm: int = 1) -> int:
     return min(232, _REGISTER_FILE // (programs_per_sm * 32 * (num_warps + 4)) // 8 * 8)
 
 
-def fp8_programs_per_sm(tile: TileConfig, block_m: int, width: int) -> int:
+def fp8_programs_per_sm(tile: TileConfig, block_m: int, width: int, staged: int = 0) -> int:
     """Programs per SM of an fp8_block ``ws`` tile whose wgmma is ``width`` columns wide: two for one
     warpgroup (4 warps) where two rings (``num_stages`` 128-column K steps of A and W) fit in shared memory,
-    else one. Two one-warpgroup programs run their K loops, waits and epilogues independently, where the two
-    warpgroups of one 128-row program meet at a barrier every K step (the one Gluon puts before a buffer goes
-    back to the loader). Under the halved ``maxnreg`` a wgmma of at most 128 columns (`check_wgmma_operands`)
-    still compiles; a dense 256-column one does not. Dense bf16 tiles keep one program per SM: their
-    one-warpgroup tiles whose rings fit twice ran slower than the tables' tiles that way (session 17).
+    each with its output tile where that leaves by TMA (``staged`` bytes beside the ring), else one. Two one-warpgroup
+    programs run their K loops, waits and epilogues independently, where the two warpgroups of one 128-row
+    program meet at a barrier every K step (the one Gluon puts before a buffer goes back to the loader). Under
+    the halved ``maxnreg`` a wgmma of at most 128 columns (`check_wgmma_operands`) still compiles; a dense
+    256-column one does not. Dense bf16 tiles keep one program per SM: their one-warpgroup tiles whose rings fit
+    twice ran slower than the tables' tiles that way (session 17).
     H200 timings: benchmarks/results/fp8_block_ws_nvidia-h200.md, bf16_ws_nvidia-h200.md."""
     ring = ring_bytes(tile, block_m, width, 1)  # e4m3 operands, 128-column K steps
-    return 2 if tile.num_warps == 4 and 2 * (ring + _RESERVED_PER_PROGRAM) <= _SHARED_PER_SM else 1
+    return 2 if tile.num_warps == 4 and 2 * (ring + staged + _RESERVED_PER_PROGRAM) <= _SHARED_PER_SM else 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,7 +81,8 @@ def persistent_launch(kernel: str, a_sorted: torch.Tensor, layout: BlockLayout, 
     have are fewer (the kernel stops at those the routing filled)."""
     tiles = layout.max_blocks * cdiv(n_out, tile.block_n)
     index = a_sorted.device.index if a_sorted.device.index is not None else torch.cuda.current_device()
-    constexprs = dict(constexprs, LOADER_REGS=LOADER_REGS, num_warps=tile.num_warps,
+    constexprs = dict(constexprs, LOADER_REGS=GATHER_LOADER_REGS if tile.gather else LOADER_REGS,
+                      num_warps=tile.num_warps,
                       maxnreg=max_registers(tile.num_warps, programs_per_sm))
     programs = programs_per_sm * _sm_count(index)
     return Launch((max(1, min(tiles, programs)),), args, constexprs, kernel=(_MODULE, kernel))
@@ -105,26 +108,30 @@ def ring_bytes(tile: TileConfig, block_m: int, width: int, element_size: int) ->
     return tile.num_stages * (block_m + width) * tile.block_k * element_size
 
 
-def _dense_shared_parts(tile: TileConfig, block_m: int, gated: bool, element_size: int) -> tuple[int, int, int]:
-    """(W rows per K step, ring bytes, staged output bytes) of a dense ws tile."""
+def _shared_parts(tile: TileConfig, block_m: int, gated: bool, element_size: int,
+                  out_size: int | None) -> tuple[int, int, int]:
+    """(W rows per K step, ring bytes, staged output bytes) of a ws tile."""
     width = (2 if gated else 1) * tile.block_n
-    staged = block_m * tile.block_n * element_size if tile.tma_store else 0
+    staged = block_m * tile.block_n * (out_size or element_size) if tile.tma_store else 0
     return width, ring_bytes(tile, block_m, width, element_size), staged
 
 
-def fits_shared_memory(tile: TileConfig, block_m: int, gated: bool, element_size: int) -> bool:
-    """Whether a dense ws tile's ring and, with ``tma_store``, its staged output tile fit beside the driver's share."""
-    _, ring, staged = _dense_shared_parts(tile, block_m, gated, element_size)
+def fits_shared_memory(tile: TileConfig, block_m: int, gated: bool, element_size: int,
+                       out_size: int | None = None) -> bool:
+    """Whether a ws tile's ring (``element_size`` bytes an operand) and, with ``tma_store``, its staged output tile
+    (``out_size`` bytes an element; the operands' by default) fit beside the driver's share."""
+    _, ring, staged = _shared_parts(tile, block_m, gated, element_size, out_size)
     return ring + staged + _RESERVED_PER_PROGRAM <= _SHARED_PER_SM
 
 
-def check_shared_memory(tile: TileConfig, block_m: int, gated: bool, element_size: int) -> None:
-    """A dense ws tile's ring (``num_stages`` K steps of A and W) and, with ``tma_store``, its staged output tile must
+def check_shared_memory(tile: TileConfig, block_m: int, gated: bool, element_size: int,
+                        out_size: int | None = None) -> None:
+    """A ws tile's ring (``num_stages`` K steps of A and W) and, with ``tma_store``, its staged output tile must
     fit in an SM's shared memory (`fits_shared_memory`): a clear error before a launch that would fail with "out of
     resources"."""
-    if fits_shared_memory(tile, block_m, gated, element_size):
+    if fits_shared_memory(tile, block_m, gated, element_size, out_size):
         return
-    width, ring, staged = _dense_shared_parts(tile, block_m, gated, element_size)
+    width, ring, staged = _shared_parts(tile, block_m, gated, element_size, out_size)
     raise MoEConfigError(
         f"a ws tile's ring ({tile.num_stages} stages of {block_m} + {width} rows x {tile.block_k}: {ring} bytes)"
         f"{f' and its staged output tile ({staged} bytes)' if staged else ''} must fit in "
@@ -132,14 +139,29 @@ def check_shared_memory(tile: TileConfig, block_m: int, gated: bool, element_siz
         f"fewer num_stages{' or tma_store=False' if staged else ''}")
 
 
+def check_gather(a: torch.Tensor, tile: TileConfig, a_row_div: int | None) -> None:
+    """A ``gather`` tile's loader copies 16-byte pieces of whole K steps of ``a``'s rows (`TileConfig.gather`)."""
+    if a_row_div is None:
+        raise MoEConfigError(f"a gather=True tile reads the unsorted activations: it runs as GEMM1 of "
+                             f"gemm_tma_a.sorted_tma_a_gemms, given the rows per token (got {tile})")
+    if a.shape[1] % tile.block_k or (a.stride(0) * a.element_size()) % 16 or a.data_ptr() % 16:
+        raise MoEConfigError(f"a gather=True tile copies whole block_k steps of 16-byte-aligned rows: K must be a "
+                             f"multiple of block_k and the rows 16-byte multiples apart (got K = {a.shape[1]}, "
+                             f"row stride {a.stride(0)}, {tile}); use gather=False")
+
+
 def ws_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tensor, layout: BlockLayout,
-                   out_sorted: bool, activation: Activation | None, tile: TileConfig) -> Launch:
+                   out_sorted: bool, activation: Activation | None, tile: TileConfig,
+                   a_row_div: int | None = None) -> Launch:
     """The launch of ``out = act(a_sorted @ w[expert].T + bias[expert])`` over the layout's blocks, as
-    `gemm_tma_a.tma_a_gemm_launch` (which calls this for ``ws`` tiles): one program per SM, or fewer."""
+    `gemm_tma_a.tma_a_gemm_launch` (which calls this for ``ws`` tiles): one program per SM, or fewer. A ``gather``
+    tile reads row ``slot // a_row_div`` of the unsorted ``a_sorted`` for each slot instead."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     check_ws(a_sorted)
+    if tile.gather:
+        check_gather(a_sorted, tile, a_row_div)
     block_m = layout.block_m
     gated = activation is not None and activation.is_gated
     n_out, k = out.shape[1], w.k
@@ -150,15 +172,15 @@ def ws_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tensor, 
     bias, bias_strides = bias_args(w)
     check_shared_memory(tile, block_m, gated, a_sorted.element_size())
     out_desc = store_descriptor(out, block_m, tile.block_n) if out_sorted and tile.tma_store else None
-    args = (a_desc, w.descriptor(tile.block_n, tile.block_k, gluon=True), out_desc or a_desc, bias, out,
+    args = (a_desc, w.descriptor(tile.block_n, tile.block_k, gluon=True), out_desc or a_desc, a_sorted, bias, out,
             layout.sorted_slots, layout.expert_ends, layout.expert_counts,
-            num_experts, n_out, k, w.data.shape[1], *bias_strides, out.stride(0), out.stride(1),
+            num_experts, n_out, k, w.data.shape[1], a_sorted.stride(0), *bias_strides, out.stride(0), out.stride(1),
             *activation_args(activation))
     constexprs = dict(
         GATED=gated, ACTIVATION=activation_code(activation), HAS_BIAS=w.bias is not None,
         OUT_SORTED=out_sorted, TMA_STORE=out_desc is not None, E_PAD=experts_pad(num_experts),
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-        STAGES=tile.num_stages,
+        STAGES=tile.num_stages, GATHER=tile.gather, A_ROW_DIV=a_row_div if tile.gather else 1,
     )
     return persistent_launch("moe_gemm_ws_kernel", a_sorted, layout, n_out, tile, args, constexprs)
 
