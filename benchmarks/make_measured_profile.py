@@ -111,6 +111,12 @@ MACHINES = {
         "fp8_decode_s28_tables_bench_nvidia-h200.json": ("records", None),
         # session 31: bf16 with the ws tiles storing by TMA (M = 1024-16384), FlashInfer's CUTLASS MoE beside them
         "issue14_s31_bf16_nvidia-h200.json": ("records", None),
+        # session 32: fp8_block with the ws tiles storing by TMA (M = 1024-16384), then the 64-row buckets again
+        # after they took it at two programs per SM; Qwen3 bf16 with GEMM1's gathering loader at M = 16384
+        # (M = 4096 and 16384), FlashInfer's CUTLASS MoE beside it
+        "fp8_block_s32_ws_tma_store_bench_nvidia-h200.json": ("records", None),
+        "fp8_block_s32_64row_bench_nvidia-h200.json": ("records", None),
+        "bf16_s32_qwen3_gather_bench_nvidia-h200.json": ("records", None),
     }, "measured on nvidia-h200 (2026-11-22 to 2026-12-03; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
        "benchmarks/flashinfer_bench.py / benchmarks/ep_all_to_all.py"),
     "nvidia-h100": Machine("h100", {
