@@ -83,9 +83,13 @@ def test_gather_tile_on_rows_it_cannot_copy_is_refused(shape, stride, row_div, m
     a = torch.zeros(shape, dtype=torch.bfloat16)
     if stride is not None:
         a = torch.zeros(shape[0], stride[0], dtype=torch.bfloat16)[:, :shape[1]]
+    from moe.experts._triton.gemm_ws import can_gather
+
     tile = TileConfig(128, 64, 8, 8, 4, tma=True, tma_a=True, ws=True, gather=True)
     with pytest.raises(MoEConfigError, match=message):
         check_gather(a, tile, row_div)
+    # the layer asks can_gather first and gathers rows it cannot copy with the gather kernel instead
+    assert can_gather(a, tile) == (row_div is None)
     check_gather(torch.zeros(4, 128, dtype=torch.bfloat16), tile, 8)  # whole steps, 256-byte rows: accepted
 
 

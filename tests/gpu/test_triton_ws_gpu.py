@@ -72,6 +72,21 @@ def test_ws_cuda_graph_replay_equals_eager(layer, stores, gather):
     assert_replay_equals_eager_without_sync(experts, only(prepared, config, 256), p, 256)
 
 
+def test_ws_gather_tile_on_rows_its_loader_cannot_copy_gathers_them_first(layer):
+    """x as a view whose rows are not 16-byte multiples apart: the layer runs the gather kernel and the same tile
+    without its gathering loader, the output equal to a contiguous x's bit for bit, not an error."""
+    p, experts, prepared, _ = layer
+    x, topk, dispatched = dispatched_for(p, 256)
+    wide = torch.zeros(x.shape[0], x.shape[1] + 4, device=x.device, dtype=x.dtype)
+    strided = wide[:, :x.shape[1]]
+    strided.copy_(x)
+    config = only(prepared, ws_tiles(stores=(True, True), stages2=3, gather=True), 256)
+    want = run(experts, dispatched, config).float()
+    got = run(experts, dataclasses.replace(dispatched, x=dataclasses.replace(dispatched.x, data=strided)),
+              config).float()
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("tokens", [33, 1024])
 def test_ws_gather_loader_equals_the_gather_kernel_bit_for_bit(layer, tokens):
     """GEMM1's loader copying x's rows itself (cp.async) feeds the wgmmas the same rows the gather kernel writes:

@@ -64,8 +64,8 @@ class TileConfig:
     # per SM, gemm_ws.fp8_programs_per_sm).
     tma_store: bool = False
     # GEMM1's dense ws tile: no gather kernel first. Its loader (four warps) copies each K step's A rows straight
-    # from the unsorted activations by cp.async (16 bytes a copy), the weights still by TMA (gemm_ws.py); K must be
-    # a multiple of block_k and the rows 16-byte multiples apart.
+    # from the unsorted activations by cp.async (16 bytes a copy), the weights still by TMA (gemm_ws.py). Where K is
+    # not a multiple of block_k or the rows are not 16-byte multiples apart, the layer gathers them first instead.
     gather: bool = False
 
     def __post_init__(self):

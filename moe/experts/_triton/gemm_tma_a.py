@@ -17,6 +17,8 @@ _gemm_tma_a.py's docstring); a ``ws`` tile runs the same flow with a Gluon kerne
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from moe.activation import Activation
@@ -26,7 +28,7 @@ from moe.experts._triton.align import BlockLayout, experts_pad, padded_rows
 from moe.experts._triton.config import BLOCK_MS, LaunchConfig, TileConfig
 from moe.experts._triton.gemm import (Launch, SortedRows, activation_args, activation_code, bias_args,
                                       grouped_gemm)
-from moe.experts._triton.gemm_ws import ws_gemm_launch
+from moe.experts._triton.gemm_ws import can_gather, ws_gemm_launch
 from moe.experts._triton.weights import WeightOperand, check_tma_a_weights
 
 _GATHER_BLOCK_K = 256  # columns per gather program
@@ -122,19 +124,22 @@ def sorted_tma_a_gemms(x: torch.Tensor, w13: WeightOperand, w2: WeightOperand, l
     (slot s's row of y), for the sum over k."""
     rows = layout.sorted_slots.numel()
     y = workspace["y"]
-    if config.gemm1.gather:  # GEMM1's loader copies x's rows itself (gemm_ws.py)
+    gemm1 = config.gemm1
+    if gemm1.gather and not can_gather(x, gemm1):  # rows its loader cannot copy (a strided view): gathered first
+        gemm1 = dataclasses.replace(gemm1, gather=False)
+    if gemm1.gather:  # GEMM1's loader copies x's rows itself (gemm_ws.py)
         a, a_row_div = x, top_k
     else:
         a, a_row_div = gather_sorted_rows(x, layout, top_k, y), None  # read by GEMM1 before GEMM2 writes y
     if config.gemm2.tma_a:
         inter = workspace["inter"][:rows]
-        tma_a_gemm_launch(a, w13, inter, layout, True, activation, config.gemm1, a_row_div).run()
+        tma_a_gemm_launch(a, w13, inter, layout, True, activation, gemm1, a_row_div).run()
         out, out_sorted = gemm2_output(config.gemm2, y, rows, num_slots)
         tma_a_gemm_launch(inter, w2, out, layout, out_sorted, None, config.gemm2).run()
         return out, layout.slot_rows if out_sorted else None
     else:
         inter = workspace["inter"][:num_slots]
-        tma_a_gemm_launch(a, w13, inter, layout, False, activation, config.gemm1).run()
+        tma_a_gemm_launch(a, w13, inter, layout, False, activation, gemm1).run()
         grouped_gemm(inter, None, w2, y[:num_slots], SortedRows(layout, num_slots, 1), None,
                      config.block_m, config.gemm2)
     return y[:num_slots], None

@@ -139,12 +139,19 @@ def check_shared_memory(tile: TileConfig, block_m: int, gated: bool, element_siz
         f"fewer num_stages{' or tma_store=False' if staged else ''}")
 
 
+def can_gather(a: torch.Tensor, tile: TileConfig) -> bool:
+    """Whether a ``gather`` tile's loader can copy ``a``'s rows: 16-byte pieces of whole K steps
+    (`TileConfig.gather`)."""
+    return (a.shape[1] % tile.block_k == 0 and a.stride(1) == 1 and (a.stride(0) * a.element_size()) % 16 == 0
+            and a.data_ptr() % 16 == 0)
+
+
 def check_gather(a: torch.Tensor, tile: TileConfig, a_row_div: int | None) -> None:
-    """A ``gather`` tile's loader copies 16-byte pieces of whole K steps of ``a``'s rows (`TileConfig.gather`)."""
+    """`can_gather`, and the rows per token that turn a slot into its row of ``a``: a clear error otherwise."""
     if a_row_div is None:
         raise MoEConfigError(f"a gather=True tile reads the unsorted activations: it runs as GEMM1 of "
                              f"gemm_tma_a.sorted_tma_a_gemms, given the rows per token (got {tile})")
-    if a.shape[1] % tile.block_k or (a.stride(0) * a.element_size()) % 16 or a.data_ptr() % 16:
+    if not can_gather(a, tile):
         raise MoEConfigError(f"a gather=True tile copies whole block_k steps of 16-byte-aligned rows: K must be a "
                              f"multiple of block_k and the rows 16-byte multiples apart (got K = {a.shape[1]}, "
                              f"row stride {a.stride(0)}, {tile}); use gather=False")
