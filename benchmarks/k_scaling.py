@@ -4,12 +4,13 @@ with K (the K loop) and a part that does not (the epilogue, each tile's tail, th
 second part at 48% of Qwen3-30B-A3B's GEMM2 at M = 4096, which led to the ws tiles' TMA store
 (benchmarks/results/bf16_ws_nvidia-h200.md).
 
-    python benchmarks/k_scaling.py --preset qwen3-30b-a3b --tokens 4096 [--quant bf16] [--json OUT]
+    python benchmarks/k_scaling.py --preset qwen3-30b-a3b --tokens 4096 [--quant bf16 | fp8_block] [--json OUT]
 
 It times the TMA-A path's GEMMs (``tma_a`` tiles, ``ws`` or not: gemm_tma_a.py), the ones a dense table uses from
-about 256 rows per expert on SM90, each launch on its own (CUDA graphs, `moe.tools.bench.time_calls`). The inputs
-are random rows in the layout's sorted order; the routing is the bench's. The times at a cut K are of a GEMM
-that reads the first K columns only: they say how the time scales, not what a smaller layer would take.
+about 256 rows per expert on SM90, or the fp8_block ``wgmma`` ones (``ws`` or not: gemm_wgmma.py), each launch on its
+own (CUDA graphs, `moe.tools.bench.time_calls`). The inputs are random rows in the layout's sorted order (fp8: random
+e4m3 codes, their scales 1); the routing is the bench's. The times at a cut K are of a GEMM that reads the first K
+columns only: they say how the time scales, not what a smaller layer would take.
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ def gemm_launches(preset_name: str, quant: str, tokens: int) -> tuple[dict, obje
     experts = TritonExperts(problem)
     weights = experts.prepare_weights(build_weights(problem, device))
     config = weights.configs.lookup(tokens)
-    if not (config.gemm1.tma_a and config.gemm2.tma_a):
-        raise MoEConfigError(f"k_scaling times the TMA-A GEMMs (tma_a tiles on both); {preset_name} {quant} at "
-                             f"M = {tokens} runs {config}")
+    if not (config.gemm1.tma_a and config.gemm2.tma_a) and not config.gemm1.wgmma:
+        raise MoEConfigError(f"k_scaling times the TMA-A GEMMs (tma_a tiles on both) or the fp8_block wgmma ones; "
+                             f"{preset_name} {quant} at M = {tokens} runs {config}")
     x, topk = make_inputs(preset, problem, tokens, 1, device)[0]
     ids = topk.ids.to(torch.int32)
     slots, local = ids.numel(), problem.local_num_experts
@@ -76,6 +77,9 @@ def gemm_launches(preset_name: str, quant: str, tokens: int) -> tuple[dict, obje
                for name, (shape, dtype) in workspace_buffers(slots, local, (config.block_m,)).items()}
     layout = align_block_size(ids, weights.expert_map, local, config.block_m, buffers)
     rows = layout.sorted_slots.numel()
+    if config.gemm1.wgmma:
+        gemm1, gemm2 = _wgmma_launches(problem, weights, config, layout, slots)
+        return {"gemm1": (gemm1, weights.w13.k, 128), "gemm2": (gemm2, weights.w2.k, 128)}, config
     if config.gemm1.gather:  # GEMM1's loader reads x's rows itself
         a, a_row_div = x, ids.shape[1]
     else:
@@ -90,6 +94,31 @@ def gemm_launches(preset_name: str, quant: str, tokens: int) -> tuple[dict, obje
             "gemm2": (gemm2, weights.w2.k, config.gemm2.block_k)}, config
 
 
+def _wgmma_launches(problem, weights, config, layout, slots: int) -> tuple:
+    """GEMM1 and GEMM2 of an fp8_block ``wgmma`` config on random sorted e4m3 rows with unit scales, their outputs
+    where the layer's go (`gemm_wgmma.sorted_wgmma_gemms`)."""
+    from moe.experts._triton import cdiv
+    from moe.experts._triton.gemm_tma_a import gemm2_output
+    from moe.experts._triton.gemm_wgmma import wgmma_gemm_launch
+    from moe.experts._triton.rows import GROUP
+
+    device = layout.sorted_slots.device
+    rows = layout.sorted_slots.numel()
+    hidden, inter_size = weights.w13.k, weights.w2.k
+
+    def e4m3(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:  # codes [n, k] and scales [k / 128, n]
+        codes = torch.randn(n, k, device=device).clamp(-4, 4).to(torch.float8_e4m3fn)
+        return codes, torch.ones(cdiv(k, GROUP), n, device=device)
+
+    x_sorted, x_scale = e4m3(rows, hidden)
+    inter = torch.empty(rows, inter_size, dtype=problem.dtype, device=device)
+    inter_q, inter_scale = e4m3(rows, inter_size)
+    y = torch.empty(rows, hidden, dtype=problem.dtype, device=device)
+    out, out_sorted = gemm2_output(config.gemm2, y, rows, slots)  # as the layer's GEMM2 writes
+    return (wgmma_gemm_launch(x_sorted, x_scale, weights.w13, inter, layout, True, problem.activation, config.gemm1),
+            wgmma_gemm_launch(inter_q, inter_scale, weights.w2, out, layout, out_sorted, None, config.gemm2))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", required=True)
@@ -99,7 +128,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
-        print("k_scaling: needs an SM90+ CUDA GPU (the TMA-A GEMMs)", file=sys.stderr)
+        print("k_scaling: needs an SM90+ CUDA GPU (the TMA-A and wgmma GEMMs)", file=sys.stderr)
         return 2
     from moe.tools.bench import time_calls
 

@@ -36,6 +36,22 @@ def test_the_ws_kernels_k_is_replaced_by_name():
     assert benchmark_script(SCRIPT).with_k(launch, 192).args[11] == 192
 
 
+@pytest.mark.parametrize("module, name", [("gemm_wgmma", "moe_gemm_fp8_wgmma_kernel"),
+                                          ("gemm_ws", "moe_gemm_fp8_ws_kernel")], ids=["wgmma", "ws"])
+def test_the_fp8_kernels_k_is_replaced_by_name(module, name):
+    """The fp8_block wgmma GEMMs, ws or not, are cut the same way: their K found among their arguments by name."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper", reason="needs Triton with Gluon")
+    from moe.experts._triton import kernels
+
+    fn = getattr(kernels(module), name)
+    constexprs = {p.name: None for p in fn.params if p.is_constexpr}
+    runtime = [n for n in fn.arg_names if n not in constexprs]
+    assert "K" in runtime and "GATED" in constexprs
+    cut = benchmark_script(SCRIPT).with_k(_launch(module, name, runtime, constexprs), 384)
+    assert cut.args[runtime.index("K")] == 384
+    assert [a for i, a in enumerate(cut.args) if i != runtime.index("K")] == [a for a in runtime if a != "K"]
+
+
 def test_cut_ks_are_whole_k_steps_and_the_fit_finds_the_intercept():
     script = benchmark_script(SCRIPT)
     assert script.cut_ks(768, 64) == [192, 384, 768]
