@@ -89,6 +89,32 @@ def _store_staged(out, out_buf, out_desc, m0, n0):
 
 
 @gluon.jit
+def _staging_buffer(out_desc, a_bufs, TMA_STORE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The shared-memory tile a ``TMA_STORE`` epilogue stages its output in, beside the ring; else ``a_bufs``
+    stands in, never written."""
+    if TMA_STORE:
+        out_buf = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
+    else:
+        out_buf = a_bufs
+    return out_buf
+
+
+@gluon.jit
+def _tile_out(out, up, layout: gl.constexpr, out_desc, out_buf, expert, m0, n0, valid, bias_ptr, out_ptr, rows_ptr,
+              N, stride_be, stride_bn, stride_om, stride_on, alpha, beta, limit, GATED: gl.constexpr,
+              ACTIVATION: gl.constexpr, HAS_BIAS: gl.constexpr, OUT_SORTED: gl.constexpr, TMA_STORE: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Both ws kernels' epilogue: with ``TMA_STORE`` the activated tile leaves by one TMA store
+    (`_store_staged`), which runs on under the next tile's K steps; else `_epilogue`'s register stores."""
+    if TMA_STORE:
+        _store_staged(_activated(out, up, layout, expert, n0, bias_ptr, N, stride_be, stride_bn, alpha, beta, limit,
+                                 GATED, ACTIVATION, HAS_BIAS, BLOCK_N), out_buf, out_desc, m0, n0)
+    else:
+        _epilogue(out, up, layout, expert, m0, n0, valid, bias_ptr, out_ptr, rows_ptr, N, stride_be, stride_bn,
+                  stride_om, stride_on, alpha, beta, limit, GATED, ACTIVATION, HAS_BIAS, OUT_SORTED, BLOCK_M, BLOCK_N)
+
+
+@gluon.jit
 def _load_partition(a_desc, w_desc, x_ptr, stride_xm, a_bufs, w_bufs, ready, empty, rows_ptr, ends_ptr, counts_ptr,
                     num_experts, N, K, w_rows, GATHER: gl.constexpr, A_ROW_DIV: gl.constexpr, GATED: gl.constexpr,
                     E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
@@ -192,14 +218,9 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, out_desc, out_buf, bias_ptr, ou
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
 
-        if TMA_STORE:  # the sorted tile leaves by one TMA store, which runs on under the next tile's K steps
-            out = _activated(acc, up, mma, expert, pid_n * BLOCK_N, bias_ptr, N, stride_be, stride_bn, alpha, beta,
-                             limit, GATED, ACTIVATION, HAS_BIAS, BLOCK_N)
-            _store_staged(out, out_buf, out_desc, pid_m * BLOCK_M, pid_n * BLOCK_N)
-        else:
-            _epilogue(acc, up, mma, expert, pid_m * BLOCK_M, pid_n * BLOCK_N, valid, bias_ptr, out_ptr, rows_ptr, N,
-                      stride_be, stride_bn, stride_om, stride_on, alpha, beta, limit, GATED, ACTIVATION, HAS_BIAS,
-                      OUT_SORTED, BLOCK_M, BLOCK_N)
+        _tile_out(acc, up, mma, out_desc, out_buf, expert, pid_m * BLOCK_M, pid_n * BLOCK_N, valid, bias_ptr, out_ptr,
+                  rows_ptr, N, stride_be, stride_bn, stride_om, stride_on, alpha, beta, limit, GATED, ACTIVATION,
+                  HAS_BIAS, OUT_SORTED, TMA_STORE, BLOCK_M, BLOCK_N)
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -221,10 +242,7 @@ def moe_gemm_ws_kernel(
     the sorted rows are not there; the loader copies row ``slot // A_ROW_DIV`` of ``x_ptr`` (rows ``stride_xm``
     apart) for each slot (`_load_partition`), and ``a_desc`` only gives the buffers' type and layout."""
     a_bufs, w_bufs, ready, empty = _ring(a_desc, w_desc, GATED, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GATHER)
-    if TMA_STORE:
-        out_buf = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
-    else:
-        out_buf = a_bufs  # stands in, never written
+    out_buf = _staging_buffer(out_desc, a_bufs, TMA_STORE, BLOCK_M, BLOCK_N)
     gl.warp_specialize([
         (_mma_partition, (a_bufs, w_bufs, ready, empty, out_desc, out_buf, bias_ptr, out_ptr, rows_ptr, ends_ptr,
                           counts_ptr, num_experts, N, K, stride_be, stride_bn, stride_om, stride_on, alpha, beta,
@@ -281,14 +299,9 @@ def _fp8_mma_partition(a_bufs, w_bufs, ready, empty, out_desc, out_buf, a_scale_
         else:
             gate = acc
             up = acc
-        if TMA_STORE:
-            out = _activated(gate, up, out_l, expert, n0, bias_ptr, N, stride_be, stride_bn, alpha, beta, limit,
-                             GATED, ACTIVATION, HAS_BIAS, BLOCK_N)
-            _store_staged(out, out_buf, out_desc, m0, n0)
-        else:
-            _epilogue(gate, up, out_l, expert, m0, n0, valid, bias_ptr, out_ptr, rows_ptr, N, stride_be, stride_bn,
-                      stride_om, stride_on, alpha, beta, limit, GATED, ACTIVATION, HAS_BIAS, OUT_SORTED, BLOCK_M,
-                      BLOCK_N)
+        _tile_out(gate, up, out_l, out_desc, out_buf, expert, m0, n0, valid, bias_ptr, out_ptr, rows_ptr, N, stride_be,
+                  stride_bn, stride_om, stride_on, alpha, beta, limit, GATED, ACTIVATION, HAS_BIAS, OUT_SORTED,
+                  TMA_STORE, BLOCK_M, BLOCK_N)
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -308,10 +321,7 @@ def moe_gemm_fp8_ws_kernel(
     uses, the operands as `_gemm_wgmma.moe_gemm_fp8_wgmma_kernel`'s (e4m3, blocks ``[BLOCK_M | BLOCK_N, 128]``,
     scales ``[groups, rows]`` and ``[E, R / 128, groups]``); the module docstring says how."""
     a_bufs, w_bufs, ready, empty = _ring(a_desc, w_desc, GATED, BLOCK_M, BLOCK_N, 128, STAGES)
-    if TMA_STORE:
-        out_buf = gl.allocate_shared_memory(out_desc.dtype, [BLOCK_M, BLOCK_N], out_desc.layout)
-    else:
-        out_buf = a_bufs  # stands in, never written
+    out_buf = _staging_buffer(out_desc, a_bufs, TMA_STORE, BLOCK_M, BLOCK_N)
     gl.warp_specialize([
         (_fp8_mma_partition, (a_bufs, w_bufs, ready, empty, out_desc, out_buf, a_scale_ptr, w_scale_ptr, bias_ptr,
                               out_ptr, rows_ptr, ends_ptr, counts_ptr, num_experts, N, K, w_rows, stride_asg,

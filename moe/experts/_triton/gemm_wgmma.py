@@ -26,7 +26,7 @@ from moe.experts._triton.align import BlockLayout, experts_pad
 from moe.experts._triton.config import LaunchConfig, TileConfig
 from moe.experts._triton.gemm import Launch, activation_args, activation_code, bias_args
 from moe.experts._triton.gemm_tma_a import gather_launch, gemm2_output
-from moe.experts._triton.gemm_ws import check_shared_memory, fp8_programs_per_sm, persistent_launch, store_descriptor
+from moe.experts._triton.gemm_ws import check_shared_memory, fp8_programs_per_sm, persistent_launch, staged_output
 from moe.experts._triton.rows import GROUP, quantize_fp8_rows
 from moe.experts._triton.support import require_sm90
 from moe.experts._triton.weights import WeightOperand
@@ -79,8 +79,7 @@ def wgmma_gemm_launch(a_sorted: torch.Tensor, a_scale: torch.Tensor, w: WeightOp
     bias, bias_strides = bias_args(w)
     operands = (a_desc, w_desc, a_scale, w.scale, bias, out, layout.sorted_slots, layout.expert_ends,
                 layout.expert_counts)
-    # a ws tile with tma_store sends a sorted output out by TMA (None where TMA cannot address it)
-    out_desc = store_descriptor(out, block_m, tile.block_n) if tile.ws and tile.tma_store and out_sorted else None
+    out_desc = staged_output(out, out_sorted, tile, block_m)
     shape = (num_experts, n_out, k, w.data.shape[1], a_scale.stride(0), *w.scale.stride(), *bias_strides,
              out.stride(0), out.stride(1), *activation_args(activation))
     constexprs = dict(

@@ -103,6 +103,13 @@ def store_descriptor(out: torch.Tensor, block_m: int, block_n: int):
                             gl.NVMMASharedLayout.get_default_for([block_m, block_n], element))
 
 
+def staged_output(out: torch.Tensor, out_sorted: bool, tile: TileConfig, block_m: int):
+    """The output descriptor a ws tile's epilogue stores through by TMA: where the tile asks for it (``tma_store``),
+    its output is sorted (TMA cannot scatter rows to slots) and TMA can address it (`store_descriptor`); else None,
+    and the epilogue stores from registers."""
+    return store_descriptor(out, block_m, tile.block_n) if tile.ws and tile.tma_store and out_sorted else None
+
+
 def ring_bytes(tile: TileConfig, block_m: int, width: int, element_size: int) -> int:
     """Shared memory of a ws program's ring: ``num_stages`` K steps of ``block_m`` A rows and ``width`` W rows."""
     return tile.num_stages * (block_m + width) * tile.block_k * element_size
@@ -178,7 +185,7 @@ def ws_gemm_launch(a_sorted: torch.Tensor, w: WeightOperand, out: torch.Tensor, 
     num_experts = layout.expert_counts.numel()
     bias, bias_strides = bias_args(w)
     check_shared_memory(tile, block_m, gated, a_sorted.element_size())
-    out_desc = store_descriptor(out, block_m, tile.block_n) if out_sorted and tile.tma_store else None
+    out_desc = staged_output(out, out_sorted, tile, block_m)
     args = (a_desc, w.descriptor(tile.block_n, tile.block_k, gluon=True), out_desc or a_desc, a_sorted, bias, out,
             layout.sorted_slots, layout.expert_ends, layout.expert_counts,
             num_experts, n_out, k, w.data.shape[1], a_sorted.stride(0), *bias_strides, out.stride(0), out.stride(1),
