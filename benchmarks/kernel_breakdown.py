@@ -5,7 +5,10 @@
 Builds the calls exactly as ``python -m moe bench`` does (random weights, the preset's router,
 rotating inputs), runs them eagerly under the profiler after warm-up and prints, per (preset, M),
 each kernel's mean microseconds per call and its share. Eager launches leave gaps between kernels
-that CUDA graphs remove, so the sum here is the GPU busy time, not the bench's wall time.
+that CUDA graphs remove, so the sum here is the GPU busy time, not the bench's wall time. In a graph the gaps
+are about 0.4 us a kernel; the bench's time can still be longer than this sum (by up to 11% on the lent H200),
+because its replays run for about 300 ms under the GPU's power cap, at lower clocks than this short profile
+(benchmarks/results/sorted_path_s33_nvidia-h200.md).
 
 ``--ncu`` runs one call per (preset, M) after the warm-up between ``cudaProfilerStart`` and ``Stop``, without
 torch.profiler (CUPTI is ncu's then), for Nsight Compute. Session 17's profiles

@@ -225,7 +225,8 @@ def test_workspace_does_not_depend_on_routing():
 @pytest.mark.parametrize(
     "num_tokens,k,num_experts,block_m,use_map",
     [(1, 2, 4, 16, False), (7, 2, 4, 16, True), (33, 4, 8, 32, False), (600, 4, 8, 64, True), (3, 1, 1, 16, False),
-     (1100, 4, 8, 64, True)],  # the last: more slots than FUSED_MAX_SLOTS, two launches
+     # more slots than FUSED_MAX_SLOTS, two launches (the last chunk partial): 4, 128 and 64 local experts
+     (1100, 4, 8, 64, True), (1100, 8, 128, 64, False), (1500, 8, 128, 128, True)],
 )
 def test_align_matches_twin(num_tokens, k, num_experts, block_m, use_map):
     ids = torch.stack([torch.randperm(num_experts)[:k] for _ in range(num_tokens)]).int()

@@ -62,8 +62,8 @@ def gather_with_scales(top_k: int, tokens: int = 5, hidden: int = 300, block_m: 
     rows = layout.sorted_slots.numel()
     src = torch.randint(0, 255, (tokens, hidden), dtype=torch.uint8)
     src_scale = torch.rand(tokens, groups)
-    dst = torch.zeros(rows, hidden, dtype=torch.uint8)
-    dst_scale = torch.zeros(groups, rows)
+    dst = torch.full((rows, hidden), 7, dtype=torch.uint8)
+    dst_scale = torch.full((groups, rows), -1.0)
     gather_launch(src, layout, top_k, dst, (src_scale, dst_scale)).run()
     return layout, src, src_scale, dst, dst_scale
 
@@ -79,7 +79,8 @@ def test_gather_copies_rows_and_transposes_scales(top_k):
         assert torch.equal(dst[rows], src[source])
         assert torch.equal(dst_scale[:, rows], src_scale[source].T)
         padding = torch.arange(start + count, start - (-count // layout.block_m) * layout.block_m)
-        assert torch.equal(dst[padding], src[0].expand(len(padding), -1))  # finite copies of row 0
+        assert torch.equal(dst[padding], torch.full_like(dst[padding], 7))  # padding rows: not written
+        assert torch.equal(dst_scale[:, padding], torch.full_like(dst_scale[:, padding], -1.0))
 
 
 def test_workspace_holds_every_sorted_row_and_its_scales():

@@ -21,6 +21,7 @@ from moe.problem import MoEProblem, ParallelConfig
 from moe.quant import QuantFormat, QuantizedTensor, quantize
 from moe.quant.mx import dequantize_mxfp4
 from moe.router import TopK
+from moe.testing.poison import PoisonedWorkspace
 from moe.testing.tolerance import assert_close_moe, regime_for
 from moe.weights import ExpertWeights
 from moe.workspace import WorkspaceManager, WorkspaceShapes
@@ -59,6 +60,27 @@ def topk_for(p, tokens):
 def run(experts, dispatched, prepared):
     shapes = experts.workspace_shapes(DispatchShape(dispatched.format, dispatched.num_rows))
     return experts.apply(dispatched, prepared, WorkspaceManager("cuda").take(shapes)).out
+
+
+def run_poisoned(experts, dispatched, prepared):
+    """`run` in a workspace whose bytes are all 0xFF at the start (NaN in every float dtype, e4m3 included),
+    between guard bytes: (output, the guards' violations)."""
+    poisoned = PoisonedWorkspace(experts.workspace_shapes(DispatchShape(dispatched.format, dispatched.num_rows)),
+                                 "cuda")
+    return experts.apply(dispatched, prepared, poisoned.workspace).out, poisoned.violations()
+
+
+def assert_poisoned_run_equals_run(layer, tokens: int, prepared) -> None:
+    """The layer's output from a NaN-filled workspace is finite and bit-equal to `run`'s: nothing it reads was
+    left unwritten (the sorted paths' padding rows are never written: a GEMM computes them, nothing reads them)."""
+    p, experts, _, _ = layer
+    x = torch.randn(tokens, p.hidden_size, device="cuda", dtype=p.dtype)
+    dispatched = Dispatched(ActivationFormat.STANDARD, QuantizedTensor(data=x, scale=None, fmt="none"),
+                            topk_for(p, tokens))
+    got, violations = run_poisoned(experts, dispatched, prepared)
+    assert violations == []
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, run(experts, dispatched, prepared))
 
 
 def reference(p, x, topk, weights):
@@ -182,9 +204,19 @@ def assert_replay_equals_eager_without_sync(experts, prepared, p, tokens: int) -
         assert torch.equal(out, want)  # deterministic: replay == eager, bit for bit
 
 
-def test_alignment_at_deepseek_size():
-    ids = torch.rand(4096, 32, device="cuda").argsort(1)[:, :8].int()
+@pytest.mark.parametrize("tokens, experts, top_k, local", [
+    (4096, 32, 8, None), (16384, 128, 8, None), (16384, 8, 2, None),  # DeepSeek-V3-like, Qwen3, Mixtral
+    (3000, 256, 8, 32),  # the DeepSeek-V3 EP8 slice: 32 of 256 experts here
+])
+def test_alignment_at_model_sizes(tokens, experts, top_k, local):
+    ids = torch.rand(tokens, experts, device="cuda").argsort(1)[:, :top_k].int()
+    expert_map, num_local = None, experts
+    if local is not None:
+        expert_map = torch.full((experts,), -1, dtype=torch.int32, device="cuda")
+        expert_map[torch.randperm(experts, device="cuda")[:local]] = torch.arange(local, dtype=torch.int32,
+                                                                                  device="cuda")
+        num_local = local
     for block_m in (16, 64, 128):
-        ws = WorkspaceManager("cuda").take(WorkspaceShapes.of(**align_buffers(ids.numel(), 32, (block_m,))))
-        got = align_block_size(ids, None, 32, block_m, ws)
-        assert_same_block_layout(got, align_block_size_reference(ids, None, 32, block_m))
+        ws = WorkspaceManager("cuda").take(WorkspaceShapes.of(**align_buffers(ids.numel(), num_local, (block_m,))))
+        got = align_block_size(ids, expert_map, num_local, block_m, ws)
+        assert_same_block_layout(got, align_block_size_reference(ids, expert_map, num_local, block_m))

@@ -13,8 +13,8 @@ import torch
 
 from moe.errors import MoEConfigError
 from moe.experts._triton.config import LaunchConfig, TileConfig
-from tests.gpu.test_triton_gpu import assert_replay_equals_eager_without_sync, run
-from tests.gpu.test_triton_tma_a_gpu import only
+from tests.gpu.test_triton_gpu import assert_poisoned_run_equals_run, assert_replay_equals_eager_without_sync, run
+from tests.gpu.test_triton_tma_a_gpu import only, tma_a_tiles
 from tests.gpu.test_triton_wgmma_gpu import (check_against_pointer_and_reference, dispatched_for, run_qwen3_under,
                                              sm90_layer)
 
@@ -62,6 +62,15 @@ CONFIGS = [ws_tiles(), ws_tiles(128, 8, 64, 128, 6), ws_tiles(64, 4, 128, 128, 4
 def test_ws_equals_pointer_path_and_reference(layer, tokens, config):
     # the same products; only the wgmma schedule and bf16 rounding of the intermediate differ
     check_against_pointer_and_reference(layer, tokens, config, plain(config), 2e-2)
+
+
+@pytest.mark.parametrize("tokens", [3, 256])
+@pytest.mark.parametrize("config", [ws_tiles(), ws_tiles(stores=(True, True), stages2=3),
+                                    ws_tiles(64, 4, 128, 128, 4, gather=True), tma_a_tiles()],
+                         ids=["128-w8", "128-w8-tma-both", "64-w4-gather", "tma_a"])
+def test_sorted_bf16_paths_read_no_unwritten_workspace_row(layer, tokens, config):
+    # the gather leaves padding rows as they were (NaN here): GEMM outputs of those rows must never be read
+    assert_poisoned_run_equals_run(layer, tokens, only(layer[2], config, tokens))
 
 
 @pytest.mark.parametrize("stores, gather", [((False, False), False), ((True, True), False), ((True, True), True)],

@@ -305,8 +305,9 @@ def _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD: tl.constexpr
 def _store_sorted_block(out_ptr, tile, offs_m, offs_n, N, m0, valid, rows_ptr, stride_om, stride_on,
                         OUT_SORTED: tl.constexpr, BLOCK_M: tl.constexpr):
     """Stores a sorted block's ``tile`` (rows ``m0 + offs_m``, columns ``offs_n``, those < N): to every row of
-    the block (``OUT_SORTED``: padding rows stay finite for the next GEMM), else to the slot rows of the rows
-    that hold one (``offs_m < valid``). The TMA-A and the wgmma (Gluon) kernels' epilogue."""
+    the block (``OUT_SORTED``: the next GEMM's A; its padding rows hold whatever their A rows gave, and nothing
+    reads what they give), else to the slot rows of the rows that hold one (``offs_m < valid``). The TMA-A and the
+    wgmma (Gluon) kernels' epilogue."""
     if OUT_SORTED:
         out_rows = (m0 + offs_m).to(tl.int64)
         row_ok = offs_m < BLOCK_M

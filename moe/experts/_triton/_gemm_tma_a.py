@@ -1,10 +1,10 @@
 """Triton code of the TMA-A grouped GEMM and its row gather (see gemm_tma_a.py for the contracts).
 
-A is first gathered into sorted order (`gather_rows_kernel`: row r of a `BlockLayout` is source row
-``slot[r] // A_ROW_DIV``), so that `moe_gemm_tma_a_kernel` loads both operands by TMA descriptor (TMA
-gather of scattered rows is Blackwell-only). Its output goes either to sorted row r (``OUT_SORTED``:
-the next GEMM's A, all rows of the block, padding included) or to row ``slot[r]`` (the rows that hold
-a slot). The K loop is software-pipelined by ``num_stages``, one tile per program.
+A is first gathered into sorted order (`gather_rows_kernel`: row r of a `BlockLayout` that holds a slot is
+source row ``slot[r] // A_ROW_DIV``; padding rows are not written), so that `moe_gemm_tma_a_kernel` loads both
+operands by TMA descriptor (TMA gather of scattered rows is Blackwell-only). Its output goes either to sorted
+row r (``OUT_SORTED``: the next GEMM's A, all rows of the block, padding included) or to row ``slot[r]`` (the
+rows that hold a slot). The K loop is software-pipelined by ``num_stages``, one tile per program.
 
 No warp specialization: with Triton 3.6.0 on an H100, ``tl.range(..., warp_specialize=True)`` over this
 loop failed to compile with 128 local experts (E_PAD = 128: an assertion in the NVGPUWarpSpecialization
@@ -25,25 +25,27 @@ def gather_rows_kernel(src_ptr, dst_ptr, rows_ptr, ends_ptr, counts_ptr, num_exp
                        scale_src_ptr, scale_dst_ptr, stride_ssm, stride_ssg, stride_dsg, groups,
                        A_ROW_DIV: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                        HAS_SCALES: tl.constexpr, GROUPS_PAD: tl.constexpr):
-    """``dst[r] = src[slot[r] // A_ROW_DIV]`` for the rows of block ``program_id(0)``; padding rows copy
-    row 0 (finite values, whose products are never stored); blocks past the last segment are skipped.
-    ``HAS_SCALES``: the rows' scales too, transposed: ``scale_dst[g, r] = scale_src[slot[r] // A_ROW_DIV, g]``
-    (by the programs of the first column block)."""
+    """``dst[r] = src[slot[r] // A_ROW_DIV]`` for the rows of block ``program_id(0)`` that hold a slot. Padding rows
+    are not written: whatever they hold, a GEMM's output row depends on its own A row only, and the padding rows'
+    outputs are never read (the sum over k and a scattering store take slot rows only). Blocks past the last segment
+    are skipped. ``HAS_SCALES``: the rows' scales too, transposed: ``scale_dst[g, r] = scale_src[slot[r] // A_ROW_DIV,
+    g]`` (by the programs of the first column block)."""
     pid_m = tl.program_id(0)
     expert, valid = _block_segment(pid_m, ends_ptr, counts_ptr, num_experts, E_PAD, BLOCK_M)
     if expert < num_experts:
         offs = tl.arange(0, BLOCK_M)
+        row_ok = (offs < valid)[:, None]
         slots = tl.load(rows_ptr + pid_m * BLOCK_M + offs, mask=offs < valid, other=0)
         src_rows = (slots // A_ROW_DIV).to(tl.int64)
         dst_rows = (pid_m * BLOCK_M + offs).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-        col_ok = (cols < K)[None, :]
-        x = tl.load(src_ptr + src_rows[:, None] * stride_sm + cols[None, :] * stride_sk, mask=col_ok, other=0.0)
-        tl.store(dst_ptr + dst_rows[:, None] * stride_dm + cols[None, :], x, mask=col_ok)
+        ok = row_ok & (cols < K)[None, :]
+        x = tl.load(src_ptr + src_rows[:, None] * stride_sm + cols[None, :] * stride_sk, mask=ok, other=0.0)
+        tl.store(dst_ptr + dst_rows[:, None] * stride_dm + cols[None, :], x, mask=ok)
         if HAS_SCALES:
             if tl.program_id(1) == 0:
                 g = tl.arange(0, GROUPS_PAD)[None, :]
-                g_ok = g < groups
+                g_ok = row_ok & (g < groups)
                 s = tl.load(scale_src_ptr + src_rows[:, None] * stride_ssm + g * stride_ssg, mask=g_ok, other=1.0)
                 tl.store(scale_dst_ptr + g * stride_dsg + dst_rows[:, None], s, mask=g_ok)
 

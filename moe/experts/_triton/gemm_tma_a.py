@@ -4,7 +4,7 @@ The pointer kernel (gemm.py) gathers each A tile's rows by pointer loads; here t
 gathered into the `BlockLayout`'s sorted order, so that both GEMMs load A, like W, by TMA descriptor
 (TMA gather of scattered rows is Blackwell-only)::
 
-    gather   x_sorted[r] = x[slot[r] // k]        (r over the layout's rows; padding rows copy row 0)
+    gather   x_sorted[r] = x[slot[r] // k]        (r over the layout's slot rows; padding rows unwritten)
     gemm1    inter_sorted[r] = act(x_sorted[r] @ w13[e].T + b13[e])      (or, gemm2 not tma_a: inter[slot[r]])
     gemm2    y[slot[r]] = inter_sorted[r] @ w2[e].T + b2[e]              (rows that hold a slot)
 
