@@ -117,6 +117,13 @@ MACHINES = {
         "fp8_block_s32_ws_tma_store_bench_nvidia-h200.json": ("records", None),
         "fp8_block_s32_64row_bench_nvidia-h200.json": ("records", None),
         "bf16_s32_qwen3_gather_bench_nvidia-h200.json": ("records", None),
+        # session 33: the gather writing slot rows only, relaxed alignment atomics; bf16 at M = 256-16384 for the
+        # four presets with FlashInfer's CUTLASS MoE beside them, fp8_block at M = 1024-16384
+        "bf16_s33_qwen3_bench_nvidia-h200.json": ("records", None),
+        "bf16_s33_mixtral_bench_nvidia-h200.json": ("records", None),
+        "bf16_s33_gptoss_bench_nvidia-h200.json": ("records", None),
+        "bf16_s33_deepseek_slice_bench_nvidia-h200.json": ("records", None),
+        "fp8_block_s33_bench_nvidia-h200.json": ("records", None),
     }, "measured on nvidia-h200 (2026-11-22 to 2026-12-03; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
        "benchmarks/flashinfer_bench.py / benchmarks/ep_all_to_all.py"),
     "nvidia-h100": Machine("h100", {
