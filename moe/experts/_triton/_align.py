@@ -3,8 +3,11 @@
 Two steps, fused into one program for small inputs and two launches for large ones:
 
 1. ``_rank_chunk``: each slot's local expert (through the expert map) and its rank among the slots
-   of that expert, by an atomic increment of the expert's counter. Ranks depend on the order the
-   atomics land in, but each row of a GEMM tile is computed independently, so results do not.
+   of that expert, by an atomic increment of the expert's counter. Over a grid (``rank_kernel``) each program
+   increments counters of its own, then adds its counts to the experts' with one atomic per expert: the L2
+   applies the increments of one counter one at a time, and with every program on the same counters Qwen3-30B-A3B's
+   131072 slots took 26.5 us on an H200. Ranks depend on the order the atomics land in, but each row of a GEMM
+   tile is computed independently, so results do not.
 2. ``_segments`` + ``_place``: counts -> each expert's padded segment (an exclusive scan over the experts, in
    registers: every program computes it, no launch of its own), then
    ``sorted_slots[segment_start[expert] + rank] = slot`` and its inverse ``slot_rows[slot]`` (the sum over k of a
@@ -75,13 +78,23 @@ def align_fused_kernel(ids_ptr, map_ptr, counts_ptr, local_ptr, sorted_ptr, slot
 
 
 @triton.jit(do_not_specialize=["num_slots"])
-def rank_kernel(ids_ptr, map_ptr, counts_ptr, local_ptr, ranks_ptr, num_slots,
-                HAS_MAP: tl.constexpr, CHUNK: tl.constexpr):
-    """Step 1 over a grid of chunks; ``counts`` must be zero before the launch."""
-    offs, local, rank = _rank_chunk(ids_ptr, map_ptr, counts_ptr, tl.program_id(0) * CHUNK, num_slots,
-                                    HAS_MAP, CHUNK)
+def rank_kernel(ids_ptr, map_ptr, counts_ptr, chunk_counts_ptr, local_ptr, ranks_ptr, num_slots,
+                HAS_MAP: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+    """Step 1 over a grid of chunks; ``counts`` must be zero before the launch. Each program ranks its slots on
+    counters of its own (row ``program_id`` of ``chunk_counts [programs, E_PAD]``), then adds its counts to the
+    experts' with one atomic per expert and offsets its ranks by the counts those returned."""
+    pid = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+    own = chunk_counts_ptr + pid * E_PAD
+    tl.store(own + experts, tl.full([E_PAD], 0, tl.int32))
+    tl.debug_barrier()
+    offs, local, rank = _rank_chunk(ids_ptr, map_ptr, own, pid * CHUNK, num_slots, HAS_MAP, CHUNK)
     tl.store(local_ptr + offs, local, mask=offs < num_slots)
-    tl.store(ranks_ptr + offs, rank, mask=local >= 0)
+    tl.debug_barrier()
+    counts = tl.load(own + experts, cache_modifier=".cg")
+    first = tl.atomic_add(counts_ptr + experts, counts, mask=counts > 0, sem="relaxed")
+    here = local >= 0
+    tl.store(ranks_ptr + offs, tl.gather(first, tl.where(here, local, 0), 0) + rank, mask=here)
 
 
 @triton.jit(do_not_specialize=["num_slots", "num_local"])

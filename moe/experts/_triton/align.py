@@ -77,6 +77,7 @@ def workspace_buffers(num_slots: int, num_local: int, block_ms: tuple[int, ...])
         "local_ids": ((num_slots,), i32),
         "slot_rows": ((num_slots,), i32),
         "ranks": ((num_slots,), i32),
+        "chunk_counts": ((cdiv(num_slots, _CHUNK) * experts_pad(num_local),), i32),  # rank_kernel's own counters
         "expert_counts": ((experts,), i32),
         "expert_ends": ((experts,), i32),
     }
@@ -116,8 +117,8 @@ def align_block_size(
         return layout
     counts.zero_()
     grid = (cdiv(num_slots, _CHUNK),)
-    _align.rank_kernel[grid](ids, map_arg, counts, layout.local_ids, workspace["ranks"], num_slots,
-                             HAS_MAP=has_map, CHUNK=_CHUNK, num_warps=4)
+    _align.rank_kernel[grid](ids, map_arg, counts, workspace["chunk_counts"], layout.local_ids, workspace["ranks"],
+                             num_slots, HAS_MAP=has_map, CHUNK=_CHUNK, E_PAD=e_pad, num_warps=4)
     _align.place_kernel[grid](counts, layout.local_ids, workspace["ranks"], layout.sorted_slots, layout.slot_rows,
                               ends, num_slots, num_local, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_CHUNK, num_warps=4)
     return layout
