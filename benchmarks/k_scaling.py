@@ -56,7 +56,7 @@ def gemm_launches(preset_name: str, quant: str, tokens: int) -> tuple[dict, obje
     config; the operands are allocated here (CUDA)."""
     from moe.errors import MoEConfigError
     from moe.experts._triton.align import align_block_size, workspace_buffers
-    from moe.experts._triton.gemm_tma_a import gather_sorted_rows, gemm2_output, tma_a_gemm_launch
+    from moe.experts._triton.gemm_tma_a import gemm1_operand, gemm2_output, tma_a_gemm_launch
     from moe.experts.triton import TritonExperts
     from moe.presets import load_preset
     from moe.tools.bench import build_weights, make_inputs
@@ -80,14 +80,11 @@ def gemm_launches(preset_name: str, quant: str, tokens: int) -> tuple[dict, obje
     if config.gemm1.wgmma:
         gemm1, gemm2 = _wgmma_launches(problem, weights, config, layout, slots)
         return {"gemm1": (gemm1, weights.w13.k, 128), "gemm2": (gemm2, weights.w2.k, 128)}, config
-    if config.gemm1.gather:  # GEMM1's loader reads x's rows itself
-        a, a_row_div = x, ids.shape[1]
-    else:
-        a, a_row_div = gather_sorted_rows(x, layout, ids.shape[1], torch.empty(rows, problem.hidden_size,
-                                                                              dtype=x.dtype, device=device)), None
+    tile1, a, a_row_div = gemm1_operand(x, layout, ids.shape[1], config.gemm1,  # as the layer's GEMM1 reads
+                                        torch.empty(rows, problem.hidden_size, dtype=x.dtype, device=device))
     inter = torch.randn(rows, problem.intermediate_size, dtype=x.dtype, device=device)
     y = torch.empty(rows, problem.hidden_size, dtype=x.dtype, device=device)
-    gemm1 = tma_a_gemm_launch(a, weights.w13, inter, layout, True, problem.activation, config.gemm1, a_row_div)
+    gemm1 = tma_a_gemm_launch(a, weights.w13, inter, layout, True, problem.activation, tile1, a_row_div)
     out, out_sorted = gemm2_output(config.gemm2, y, rows, slots)  # as the layer's GEMM2 writes
     gemm2 = tma_a_gemm_launch(inter, weights.w2, out, layout, out_sorted, None, config.gemm2)
     return {"gemm1": (gemm1, weights.w13.k, config.gemm1.block_k),

@@ -78,13 +78,11 @@ def test_gather_is_a_loader_of_dense_ws_tiles_on_gemm1():
 ], ids=["k-tail", "row-stride", "no-row-div"])
 def test_gather_tile_on_rows_it_cannot_copy_is_refused(shape, stride, row_div, message):
     """Checked before any launch, so CPU tensors serve: a clear error naming the constraint, not a wrong result."""
-    from moe.experts._triton.gemm_ws import check_gather
+    from moe.experts._triton.gemm_ws import can_gather, check_gather
 
     a = torch.zeros(shape, dtype=torch.bfloat16)
     if stride is not None:
         a = torch.zeros(shape[0], stride[0], dtype=torch.bfloat16)[:, :shape[1]]
-    from moe.experts._triton.gemm_ws import can_gather
-
     tile = TileConfig(128, 64, 8, 8, 4, tma=True, tma_a=True, ws=True, gather=True)
     with pytest.raises(MoEConfigError, match=message):
         check_gather(a, tile, row_div)

@@ -108,7 +108,6 @@ def test_ws_gather_loader_equals_the_gather_kernel_bit_for_bit(layer, tokens):
     assert torch.equal(got, want)
 
 
-
 def test_ws_tma_store_leaves_gemm2_rows_sorted_and_the_sum_gathers_them(layer):
     """With GEMM2 storing by TMA, the workspace's y holds the layout's rows in sorted order (slot s at
     slot_rows[s]), and the layer's output equals the register-store tiles' bit for bit: the same products, only

@@ -115,6 +115,19 @@ def gemm2_output(tile: TileConfig, y: torch.Tensor, rows: int, num_slots: int) -
     return (y[:rows], True) if tile.tma_store else (y[:num_slots], False)
 
 
+def gemm1_operand(x: torch.Tensor, layout: BlockLayout, top_k: int, tile: TileConfig,
+                  dst: torch.Tensor) -> tuple[TileConfig, torch.Tensor, int | None]:
+    """GEMM1's tile, A operand and rows per token: ``x`` itself for a ``gather`` tile, whose loader copies each
+    slot's row (gemm_ws.py); else ``x``'s rows gathered into ``dst`` in the layout's order (`gather_sorted_rows`).
+    A gather tile on rows its loader cannot copy (a strided view: `gemm_ws.can_gather`) runs without its loader,
+    on gathered rows."""
+    if tile.gather and not can_gather(x, tile):
+        tile = dataclasses.replace(tile, gather=False)
+    if tile.gather:
+        return tile, x, top_k
+    return tile, gather_sorted_rows(x, layout, top_k, dst), None
+
+
 def sorted_tma_a_gemms(x: torch.Tensor, w13: WeightOperand, w2: WeightOperand, layout: BlockLayout,
                        activation: Activation, config: LaunchConfig, workspace, num_slots: int,
                        top_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -124,13 +137,7 @@ def sorted_tma_a_gemms(x: torch.Tensor, w13: WeightOperand, w2: WeightOperand, l
     (slot s's row of y), for the sum over k."""
     rows = layout.sorted_slots.numel()
     y = workspace["y"]
-    gemm1 = config.gemm1
-    if gemm1.gather and not can_gather(x, gemm1):  # rows its loader cannot copy (a strided view): gathered first
-        gemm1 = dataclasses.replace(gemm1, gather=False)
-    if gemm1.gather:  # GEMM1's loader copies x's rows itself (gemm_ws.py)
-        a, a_row_div = x, top_k
-    else:
-        a, a_row_div = gather_sorted_rows(x, layout, top_k, y), None  # read by GEMM1 before GEMM2 writes y
+    gemm1, a, a_row_div = gemm1_operand(x, layout, top_k, config.gemm1, y)  # y: read by GEMM1 before GEMM2 writes
     if config.gemm2.tma_a:
         inter = workspace["inter"][:rows]
         tma_a_gemm_launch(a, w13, inter, layout, True, activation, gemm1, a_row_div).run()
