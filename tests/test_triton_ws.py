@@ -348,3 +348,128 @@ def test_tuner_tries_fp8_ws_tiles_that_fit_their_registers(fp8_weights):
         check_wgmma_operands(fp8_weights.w2, c.gemm2, False, c.block_m)
         check_shared_memory(c.gemm1, c.block_m, True, 1, 2)
         check_shared_memory(c.gemm2, c.block_m, False, 1, 2)
+
+
+# --- the tuner's second end-to-end round: the neighbours of its two fastest ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dense_case():
+    """A small gated 16-bit problem and its prepared weights, as the tuner's `TuneCase` holds them (no inputs: the
+    round's timer is a stand-in here)."""
+    from moe.tools.tune import TuneCase
+
+    p = make_problem("fp16", "silu", E=4, k=2, H=256, I=256, max_tokens=8)
+    table = ConfigTable(config_key(p, "standard", torch.device("cpu")), ())
+    return TuneCase(p, TritonExperts(p), prepare_triton_weights(make_weights(p), None, table), [])
+
+
+def changed_fields(a: LaunchConfig, b: LaunchConfig) -> set[str]:
+    changed = {"block_m"} if a.block_m != b.block_m else set()
+    for name in ("gemm1", "gemm2"):
+        x, y = getattr(a, name), getattr(b, name)
+        changed |= {f"{name}.{f.name}" for f in dataclasses.fields(x) if getattr(x, f.name) != getattr(y, f.name)}
+    return changed
+
+
+def test_neighbours_of_a_dense_ws_config_change_one_knob_and_all_can_launch(dense_case):
+    from moe.experts._triton.gemm_ws import check_shared_memory
+    from moe.tools.tune import neighbours
+
+    # the H200 table's Qwen3-30B-A3B M = 1024 config (session 34)
+    config = LaunchConfig(64, ws_tile(num_warps=4, tma_store=True, gather=True),
+                          ws_tile(256, num_warps=4, tma_store=True))
+    near = neighbours(config, True, dense_case.weights, 2)
+    assert len(near) == len(set(near)) and config not in near
+    for n in near:
+        check_shared_memory(n.gemm1, n.block_m, True, 2, 2)
+        check_shared_memory(n.gemm2, n.block_m, False, 2, 2)
+    changes = [changed_fields(config, n) for n in near]
+    for one in ({"gemm1.tma_store"}, {"gemm2.tma_store"}, {"gemm1.gather"}, {"gemm1.group_m", "gemm2.group_m"},
+                {"gemm1.num_stages"}, {"gemm2.num_stages"}, {"gemm2.block_n"}):
+        assert one in changes, one
+    swapped = [n for n in near if n.block_m == 128]
+    assert len(swapped) == 1 and swapped[0].gemm1.num_warps == swapped[0].gemm2.num_warps == 8
+    assert sorted(n.gemm1.group_m for n in near if "gemm1.group_m" in changed_fields(config, n)) == [1, 4, 16]
+
+
+def test_neighbours_leave_out_rings_that_overflow_shared_memory(dense_case):
+    from moe.tools.tune import neighbours
+
+    # 128 rows, GEMM1 gated and storing by TMA: 4 stages fit, 5 do not (an H200 launch refused it: 245760 bytes)
+    config = LaunchConfig(128, ws_tile(tma_store=True), ws_tile(256, stages=3, tma_store=True))
+    near = neighbours(config, True, dense_case.weights, 2)
+    assert near and all(n.gemm1.num_stages <= 4 for n in near)
+    assert any(n.gemm1.num_stages == 3 for n in near)
+
+
+def test_neighbours_of_an_fp8_ws_config_keep_to_tiles_the_wgmma_kernel_takes(fp8_weights):
+    from moe.experts._triton.gemm_ws import check_shared_memory
+    from moe.tools.tune import neighbours
+
+    config = LaunchConfig(64, dataclasses.replace(fp8_ws_tile(64, num_warps=4), num_stages=3),
+                          dataclasses.replace(fp8_ws_tile(128, num_warps=4, tma_store=True), num_stages=3))
+    near = neighbours(config, True, fp8_weights, 2)
+    assert near and config not in near
+    for n in near:
+        check_wgmma_operands(fp8_weights.w13, n.gemm1, True, n.block_m)
+        check_wgmma_operands(fp8_weights.w2, n.gemm2, False, n.block_m)
+        check_shared_memory(n.gemm1, n.block_m, True, 1, 2)
+        check_shared_memory(n.gemm2, n.block_m, False, 1, 2)
+        assert n.gemm1.num_stages >= 3 and n.gemm2.num_stages >= 3  # the wgmma ring runs num_stages - 2 ahead
+        assert not n.gemm1.gather and n.gemm2.block_n == 128  # no dense-only move
+    assert [(n.block_m, n.gemm1.num_warps) for n in near if n.block_m != 64] == [(128, 8)]
+
+
+def test_configs_other_than_ws_have_no_neighbours(dense_case):
+    from moe.tools.tune import neighbours
+
+    config = LaunchConfig(64, TileConfig(128, 64, 8, 4, 4, tma=True), TileConfig(256, 64, 8, 4, 4, tma=True))
+    assert neighbours(config, True, dense_case.weights, 2) == []
+
+
+class StandInTimer:
+    """Times each config of a round from a dict (default 100 us), and records the rounds it was asked for."""
+
+    def __init__(self, times=None):
+        self.times, self.rounds = times or {}, []
+
+    def __call__(self, case, configs):
+        self.rounds.append(list(configs))
+        return [self.times.get(c, 100.0) for c in configs]
+
+
+def test_refine_times_the_two_fastest_with_their_neighbours_and_the_current_config(dense_case):
+    from moe.tools.tune import neighbours, refine
+
+    slow = LaunchConfig(128, ws_tile(), ws_tile(256))
+    first = LaunchConfig(64, ws_tile(num_warps=4), ws_tile(256, num_warps=4, tma_store=True))
+    second = LaunchConfig(64, ws_tile(num_warps=8), ws_tile(256, num_warps=8))
+    current = LaunchConfig(64, TileConfig(128, 64, 1, 4, 4, tma=True), TileConfig(256, 64, 1, 4, 4, tma=True))
+    finals = [slow, first, second, current]
+    winner = neighbours(first, True, dense_case.weights, 2)[-1]
+    timer = StandInTimer({winner: 90.0})
+    config, us = refine(dense_case, finals, [300.0, 100.0, 110.0, 200.0], current, "test", timer=timer)
+    assert (config, us) == (winner, 90.0)
+    (pool,) = timer.rounds
+    assert pool[:2] == [first, second] and pool[-1] == current and slow not in pool
+    assert winner in pool and not any(c in finals for c in pool[2:-1])
+
+
+def test_refine_keeps_the_current_config_where_its_second_round_is_fastest(dense_case):
+    from moe.tools.tune import refine
+
+    first = LaunchConfig(64, ws_tile(num_warps=4), ws_tile(256, num_warps=4))
+    current = LaunchConfig(64, TileConfig(128, 64, 1, 4, 4, tma=True), TileConfig(256, 64, 1, 4, 4, tma=True))
+    timer = StandInTimer({current: 50.0})
+    assert refine(dense_case, [first, current], [100.0, 120.0], current, "test", timer=timer) == (current, 50.0)
+
+
+def test_refine_without_neighbours_takes_the_first_rounds_fastest_without_a_second_round(dense_case):
+    from moe.tools.tune import refine
+
+    plain = [LaunchConfig(64, TileConfig(128, 64, 8, 4, 4, tma=True), TileConfig(256, 64, 8, 4, n, tma=True))
+             for n in (3, 4)]
+    timer = StandInTimer()
+    assert refine(dense_case, plain, [120.0, 110.0], None, "test", timer=timer) == (plain[1], 110.0)
+    assert timer.rounds == []
