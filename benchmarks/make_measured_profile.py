@@ -124,7 +124,14 @@ MACHINES = {
         "bf16_s33_gptoss_bench_nvidia-h200.json": ("records", None),
         "bf16_s33_deepseek_slice_bench_nvidia-h200.json": ("records", None),
         "fp8_block_s33_bench_nvidia-h200.json": ("records", None),
-    }, "measured on nvidia-h200 (2026-11-22 to 2026-12-03; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
+        # session 34: bf16 tables with the config sweep's winners (Qwen3 M = 1024, GPT-OSS 4096, the slice's 256, and
+        # buckets of the old configs at the slice's 128 and GPT-OSS's 2048), the four presets at M = 1-16384 with
+        # FlashInfer's CUTLASS MoE beside them
+        "bf16_s34_qwen3_bench_nvidia-h200.json": ("records", None),
+        "bf16_s34_mixtral_bench_nvidia-h200.json": ("records", None),
+        "bf16_s34_gptoss_bench_nvidia-h200.json": ("records", None),
+        "bf16_s34_deepseek_slice_bench_nvidia-h200.json": ("records", None),
+    }, "measured on nvidia-h200 (2026-11-22 to 2026-12-04; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
        "benchmarks/flashinfer_bench.py / benchmarks/ep_all_to_all.py"),
     "nvidia-h100": Machine("h100", {
         "bf16_qwen3_mixtral_nvidia-h100.json": ("records", None),
