@@ -274,10 +274,11 @@ def test_bench_plot_without_matplotlib_is_refused_before_measuring(capsys, monke
     assert "--plot out.png: needs matplotlib" in one_error_line(capsys, ["bench", "--plot", "out.png"], "bench")
 
 
-@pytest.mark.parametrize("command", ["bench", "tune"])
+@pytest.mark.parametrize("command", ["bench", "tune", "tune --refine"])
 def test_bench_and_tune_without_a_gpu_say_so_in_one_line(capsys, monkeypatch, command):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    argv = [command, "--tokens", "1"] + (["--preset", "qwen3-30b-a3b"] if command == "tune" else [])
+    command, *flags = command.split()
+    argv = [command, *flags, "--tokens", "1"] + (["--preset", "qwen3-30b-a3b"] if command == "tune" else [])
     assert one_error_line(capsys, argv, command).endswith("needs a CUDA GPU, and torch finds none on this machine")
 
 

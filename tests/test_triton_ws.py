@@ -473,3 +473,32 @@ def test_refine_without_neighbours_takes_the_first_rounds_fastest_without_a_seco
     timer = StandInTimer()
     assert refine(dense_case, plain, [120.0, 110.0], None, "test", timer=timer) == (plain[1], 110.0)
     assert timer.rounds == []
+
+
+def test_tune_refine_starts_from_the_current_config_then_times_its_neighbourhood(dense_case):
+    """``tune --refine``: round one is the current config and the ws candidates, round two the fastest two with
+    their neighbours and the current config; the second round decides."""
+    from moe.tools.tune import neighbours, refine_bucket, ws_candidates
+
+    hidden = torch.randn(256, dense_case.problem.hidden_size).half()  # 256 tokens x 2 of 4 experts: 128 rows each
+    case = dataclasses.replace(dense_case, inputs=[(hidden, make_topk(256, dense_case.problem))])
+    current = LaunchConfig(64, TileConfig(128, 64, 1, 4, 4, tma=True), TileConfig(256, 64, 1, 4, 4, tma=True))
+    candidates = ws_candidates("fp16", 128.0, (9, 0))
+    fastest = candidates[-1]
+    winner = neighbours(fastest, True, case.weights, 2)[0]
+    timer = StandInTimer({fastest: 80.0, candidates[0]: 90.0, winner: 70.0})
+    assert refine_bucket(case, "fp16", (9, 0), "test", current, timer=timer) == (winner, 70.0)
+    first, second = timer.rounds
+    assert first == [current, *candidates]
+    assert second[:2] == [fastest, candidates[0]] and second[-1] == current and winner in second
+
+
+def test_tune_refine_on_a_gpu_without_ws_tiles_keeps_the_current_config(dense_case):
+    from moe.tools.tune import refine_bucket
+
+    hidden = torch.randn(256, dense_case.problem.hidden_size).half()
+    case = dataclasses.replace(dense_case, inputs=[(hidden, make_topk(256, dense_case.problem))])
+    current = LaunchConfig(64, TileConfig(128, 64, 1, 4, 4, tma=True), TileConfig(256, 64, 1, 4, 4, tma=True))
+    timer = StandInTimer({current: 50.0})
+    assert refine_bucket(case, "fp16", (8, 0), "test", current, timer=timer) == (current, 50.0)  # an A100
+    assert timer.rounds == [[current]]

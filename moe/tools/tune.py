@@ -6,7 +6,8 @@ the weights are not all cache-hot); the three best plans and the table's current
 then timed end to end, taking turns; the two fastest and their neighbours (a store, a loader, a group size or
 a ring depth changed) are timed again in a round of their own with the current config, and the fastest wins (so a
 re-tune never makes a bucket slower). All candidate
-kernels are compiled first, in parallel worker processes, into Triton's on-disk cache. The result
+kernels are compiled first, in parallel worker processes, into Triton's on-disk cache. ``--refine`` skips the
+tile search: each bucket's current config, the warp-specialized candidates and the neighbourhood only. The result
 is one `ConfigTable` file per (shape, scheme, device) in ``triton/`` of the tuning cache (``moe.cache``;
 the packaged ``moe/experts/_triton/configs/`` when the cache is off, or ``--out``), which
 `TritonExperts` loads at ``prepare_weights``. A progress bar goes to stderr.
@@ -406,7 +407,23 @@ def tune_bucket(case: TuneCase, scheme: str, pool: ProcessPoolExecutor, device, 
     return refine(case, finals, times, current, label)
 
 
-def tune_preset(preset_name: str, quant: str, tokens, out_dir: Path, workers: int) -> Path:
+def refine_bucket(case: TuneCase, scheme: str, capability: tuple[int, int], label: str, current: LaunchConfig,
+                  timer=time_configs) -> tuple[LaunchConfig, float]:
+    """``tune --refine``: no tile search. The config a load takes at this M (``current``) and the whole-stage
+    candidates (`wgmma_candidates`, `ws_candidates`) timed end to end, then `refine`. Session 34's hand-run of the
+    same rounds took 26-66 s a bucket on an H200, compiling included; the full search times every tile of every
+    candidate BLOCK_M first."""
+    p = case.problem
+    tokens = case.inputs[0][0].shape[0]
+    rows_per_expert = tokens * p.top_k / p.local_num_experts
+    finals = [current] + [c for c in wgmma_candidates(scheme, rows_per_expert, capability)
+                          + ws_candidates(scheme, rows_per_expert, capability) if c != current]
+    times = timer(case, finals)
+    sys.stderr.write(f"  {label}: end to end {', '.join(f'{t:.1f}' for t in times)} us (the first: the table's)\n")
+    return refine(case, finals, times, current, label, timer=timer)
+
+
+def tune_preset(preset_name: str, quant: str, tokens, out_dir: Path, workers: int, refine_only: bool = False) -> Path:
     device = torch.device("cuda")
     preset = load_preset(preset_name)
     problem = preset.problem(quant=quant, max_tokens=max(tokens))
@@ -420,7 +437,13 @@ def tune_preset(preset_name: str, quant: str, tokens, out_dir: Path, workers: in
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         for m in tokens:
             case = make_case(preset, quant, m, weights, device)
-            config, us = tune_bucket(case, quant, pool, device, f"{preset_name} {quant} M={m}", configs.get(m))
+            label = f"{preset_name} {quant} M={m}"
+            if refine_only:  # from the config a load of this table takes at M: the bucket's, else the nearest one's
+                current = ConfigTable(key, tuple(sorted(configs.items()))).lookup(m)
+                capability = torch.cuda.get_device_capability(device)
+                config, us = refine_bucket(case, quant, capability, label, current)
+            else:
+                config, us = tune_bucket(case, quant, pool, device, label, configs.get(m))
             sys.stderr.write(f"  M={m}: {config} ({us:.1f} us for the whole experts stage)\n")
             configs[m] = config
             path = ConfigTable(key, tuple(sorted(configs.items())), before.decode).save(out_dir)
@@ -442,6 +465,10 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
                         f"tables; with the cache off, the packaged {CONFIG_DIR})")
     parser.add_argument("--workers", type=int_at_least(1), default=min(16, os.cpu_count() or 1),
                         help="processes compiling kernels in parallel")
+    parser.add_argument("--refine", action="store_true",
+                        help="no tile search: time each bucket's current config (the one a load takes at that M) "
+                             "against the warp-specialized candidates and the fastest two's neighbours, end to end, "
+                             "and keep the fastest (about a minute a bucket on an H200)")
 
 
 def tune_command(args: argparse.Namespace) -> int:
@@ -460,6 +487,6 @@ def tune_command(args: argparse.Namespace) -> int:
         raise UnsupportedError("needs a CUDA GPU, and torch finds none on this machine")
     for preset in args.preset:
         for quant in args.quant:
-            path = tune_preset(preset, quant, args.tokens, Path(args.out), args.workers)
+            path = tune_preset(preset, quant, args.tokens, Path(args.out), args.workers, args.refine)
             print(f"wrote {path}")
     return 0
