@@ -428,6 +428,16 @@ def test_configs_other_than_ws_have_no_neighbours(dense_case):
     assert neighbours(config, True, dense_case.weights, 2) == []
 
 
+# a table config on the pointer path (weights by TMA): no ws tile, so no neighbours of its own
+POINTER_CONFIG = LaunchConfig(64, TileConfig(128, 64, 1, 4, 4, tma=True), TileConfig(256, 64, 1, 4, 4, tma=True))
+
+
+def with_256_tokens(case):
+    """``case`` with one input set of 256 tokens: 128 rows for each of its 4 experts (2 a token)."""
+    hidden = torch.randn(256, case.problem.hidden_size).half()
+    return dataclasses.replace(case, inputs=[(hidden, make_topk(256, case.problem))])
+
+
 class StandInTimer:
     """Times each config of a round from a dict (default 100 us), and records the rounds it was asked for."""
 
@@ -445,7 +455,7 @@ def test_refine_times_the_two_fastest_with_their_neighbours_and_the_current_conf
     slow = LaunchConfig(128, ws_tile(), ws_tile(256))
     first = LaunchConfig(64, ws_tile(num_warps=4), ws_tile(256, num_warps=4, tma_store=True))
     second = LaunchConfig(64, ws_tile(num_warps=8), ws_tile(256, num_warps=8))
-    current = LaunchConfig(64, TileConfig(128, 64, 1, 4, 4, tma=True), TileConfig(256, 64, 1, 4, 4, tma=True))
+    current = POINTER_CONFIG
     finals = [slow, first, second, current]
     winner = neighbours(first, True, dense_case.weights, 2)[-1]
     timer = StandInTimer({winner: 90.0})
@@ -460,7 +470,7 @@ def test_refine_keeps_the_current_config_where_its_second_round_is_fastest(dense
     from moe.tools.tune import refine
 
     first = LaunchConfig(64, ws_tile(num_warps=4), ws_tile(256, num_warps=4))
-    current = LaunchConfig(64, TileConfig(128, 64, 1, 4, 4, tma=True), TileConfig(256, 64, 1, 4, 4, tma=True))
+    current = POINTER_CONFIG
     timer = StandInTimer({current: 50.0})
     assert refine(dense_case, [first, current], [100.0, 120.0], current, "test", timer=timer) == (current, 50.0)
 
@@ -480,9 +490,8 @@ def test_tune_refine_starts_from_the_current_config_then_times_its_neighbourhood
     their neighbours and the current config; the second round decides."""
     from moe.tools.tune import neighbours, refine_bucket, ws_candidates
 
-    hidden = torch.randn(256, dense_case.problem.hidden_size).half()  # 256 tokens x 2 of 4 experts: 128 rows each
-    case = dataclasses.replace(dense_case, inputs=[(hidden, make_topk(256, dense_case.problem))])
-    current = LaunchConfig(64, TileConfig(128, 64, 1, 4, 4, tma=True), TileConfig(256, 64, 1, 4, 4, tma=True))
+    case = with_256_tokens(dense_case)
+    current = POINTER_CONFIG
     candidates = ws_candidates("fp16", 128.0, (9, 0))
     fastest = candidates[-1]
     winner = neighbours(fastest, True, case.weights, 2)[0]
@@ -496,9 +505,8 @@ def test_tune_refine_starts_from_the_current_config_then_times_its_neighbourhood
 def test_tune_refine_on_a_gpu_without_ws_tiles_keeps_the_current_config(dense_case):
     from moe.tools.tune import refine_bucket
 
-    hidden = torch.randn(256, dense_case.problem.hidden_size).half()
-    case = dataclasses.replace(dense_case, inputs=[(hidden, make_topk(256, dense_case.problem))])
-    current = LaunchConfig(64, TileConfig(128, 64, 1, 4, 4, tma=True), TileConfig(256, 64, 1, 4, 4, tma=True))
+    case = with_256_tokens(dense_case)
+    current = POINTER_CONFIG
     timer = StandInTimer({current: 50.0})
     assert refine_bucket(case, "fp16", (8, 0), "test", current, timer=timer) == (current, 50.0)  # an A100
     assert timer.rounds == [[current]]

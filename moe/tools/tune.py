@@ -133,6 +133,15 @@ def wgmma_candidates(scheme: str, rows_per_expert: float, capability: tuple[int,
             config(128, 64, 128, 8, stages=3), *ws]
 
 
+def fitted_ring(tile: TileConfig, block_m: int, gated: bool, element_size: int, out_size: int | None = None
+                ) -> TileConfig:
+    """``tile`` with its ring made shallower, down to 2 stages, until it fits shared memory beside its staged output
+    (`gemm_ws.fits_shared_memory`); the caller's launch check refuses one that still does not."""
+    while tile.num_stages > 2 and not fits_shared_memory(tile, block_m, gated, element_size, out_size):
+        tile = dataclasses.replace(tile, num_stages=tile.num_stages - 1)
+    return tile
+
+
 def ws_candidates(scheme: str, rows_per_expert: float, capability: tuple[int, int]) -> list[LaunchConfig]:
     """Whole-stage configs of the warp-specialized persistent GEMMs (gemm_ws.py): bf16 / fp16 on SM90, where
     blocks of 64+ rows fill. Like `wgmma_candidates` they go straight to the end-to-end round of `tune_bucket`
@@ -149,10 +158,8 @@ def ws_candidates(scheme: str, rows_per_expert: float, capability: tuple[int, in
         tile = TileConfig(gemm1_n, 64, 8, warps, stages, tma=True, tma_a=True, ws=True)
         return LaunchConfig(block_m, tile, dataclasses.replace(tile, block_n=gemm2_n))
 
-    def stored(config: LaunchConfig) -> LaunchConfig:
-        gemm2 = dataclasses.replace(config.gemm2, tma_store=True)
-        while not fits_shared_memory(gemm2, config.block_m, False, 2):  # 128 x 256: a 64 KiB tile, a ring of 3
-            gemm2 = dataclasses.replace(gemm2, num_stages=gemm2.num_stages - 1)
+    def stored(config: LaunchConfig) -> LaunchConfig:  # 128 x 256: a 64 KiB staged tile, a ring of 3
+        gemm2 = fitted_ring(dataclasses.replace(config.gemm2, tma_store=True), config.block_m, False, 2)
         return dataclasses.replace(config, gemm2=gemm2)
 
     if rows_per_expert >= 192:
@@ -162,6 +169,11 @@ def ws_candidates(scheme: str, rows_per_expert: float, capability: tuple[int, in
     first = stored(plain[0])
     return plain + [stored(c) for c in plain] + [dataclasses.replace(first, gemm1=dataclasses.replace(
         first.gemm1, gather=True))]
+
+
+def whole_stage_candidates(scheme: str, rows_per_expert: float, capability: tuple[int, int]) -> list[LaunchConfig]:
+    """The configs that go straight to the end-to-end round: `wgmma_candidates` then `ws_candidates`."""
+    return wgmma_candidates(scheme, rows_per_expert, capability) + ws_candidates(scheme, rows_per_expert, capability)
 
 
 def neighbours(config: LaunchConfig, gated: bool, weights, out_size: int) -> list[LaunchConfig]:
@@ -193,9 +205,7 @@ def neighbours(config: LaunchConfig, gated: bool, weights, out_size: int) -> lis
 
     def tile_for(move: dict, gemm: str, tile: TileConfig, w, tile_gated: bool) -> TileConfig:
         block_m, size = move.get("block_m", config.block_m), w.data.element_size()
-        tile = dataclasses.replace(tile, **move.get(gemm, {}))
-        while tile.num_stages > 2 and not fits_shared_memory(tile, block_m, tile_gated, size, out_size):
-            tile = dataclasses.replace(tile, num_stages=tile.num_stages - 1)
+        tile = fitted_ring(dataclasses.replace(tile, **move.get(gemm, {})), block_m, tile_gated, size, out_size)
         check_shared_memory(tile, block_m, tile_gated, size, out_size)
         if tile.wgmma:
             check_wgmma_operands(w, tile, tile_gated, block_m)
@@ -223,6 +233,12 @@ class TuneCase:
     experts: object
     weights: object
     inputs: list  # (hidden, TopK) pairs
+
+    @property
+    def rows_per_expert(self) -> float:
+        """Slots per local expert at the inputs' token count, on average."""
+        p = self.problem
+        return self.inputs[0][0].shape[0] * p.top_k / p.local_num_experts
 
 
 def make_case(preset, quant: str, tokens: int, weights, device) -> TuneCase:
@@ -379,8 +395,7 @@ def tune_bucket(case: TuneCase, scheme: str, pool: ProcessPoolExecutor, device, 
     (`refine`) -- a tile timed alone can rank differently from the whole stage, and a re-tune should never
     replace a config by one that is slower where it counts."""
     p = case.problem
-    tokens = case.inputs[0][0].shape[0]
-    rows_per_expert = tokens * p.top_k / p.local_num_experts
+    tokens, rows_per_expert = case.inputs[0][0].shape[0], case.rows_per_expert
     plans = []
     for block_m, direct in candidate_rows(tokens, rows_per_expert):
         tiles1 = candidate_tiles(block_m, not p.activation.is_gated, scheme, rows_per_expert)
@@ -399,7 +414,7 @@ def tune_bucket(case: TuneCase, scheme: str, pool: ProcessPoolExecutor, device, 
         raise RuntimeError(f"no candidate config ran for {label}")
     finals = [c for _, c in sorted(ranked, key=lambda uc: uc[0])[:finalists]]
     capability = torch.cuda.get_device_capability(device)
-    finals += wgmma_candidates(scheme, rows_per_expert, capability) + ws_candidates(scheme, rows_per_expert, capability)
+    finals += whole_stage_candidates(scheme, rows_per_expert, capability)
     if current is not None and current not in finals:
         finals.append(current)
     times = time_configs(case, finals)
@@ -413,11 +428,7 @@ def refine_bucket(case: TuneCase, scheme: str, capability: tuple[int, int], labe
     candidates (`wgmma_candidates`, `ws_candidates`) timed end to end, then `refine`. Session 34's hand-run of the
     same rounds took 26-66 s a bucket on an H200, compiling included; the full search times every tile of every
     candidate BLOCK_M first."""
-    p = case.problem
-    tokens = case.inputs[0][0].shape[0]
-    rows_per_expert = tokens * p.top_k / p.local_num_experts
-    finals = [current] + [c for c in wgmma_candidates(scheme, rows_per_expert, capability)
-                          + ws_candidates(scheme, rows_per_expert, capability) if c != current]
+    finals = [current] + [c for c in whole_stage_candidates(scheme, case.rows_per_expert, capability) if c != current]
     times = timer(case, finals)
     sys.stderr.write(f"  {label}: end to end {', '.join(f'{t:.1f}' for t in times)} us (the first: the table's)\n")
     return refine(case, finals, times, current, label, timer=timer)
@@ -440,8 +451,7 @@ def tune_preset(preset_name: str, quant: str, tokens, out_dir: Path, workers: in
             label = f"{preset_name} {quant} M={m}"
             if refine_only:  # from the config a load of this table takes at M: the bucket's, else the nearest one's
                 current = ConfigTable(key, tuple(sorted(configs.items()))).lookup(m)
-                capability = torch.cuda.get_device_capability(device)
-                config, us = refine_bucket(case, quant, capability, label, current)
+                config, us = refine_bucket(case, quant, torch.cuda.get_device_capability(device), label, current)
             else:
                 config, us = tune_bucket(case, quant, pool, device, label, configs.get(m))
             sys.stderr.write(f"  M={m}: {config} ({us:.1f} us for the whole experts stage)\n")
