@@ -439,14 +439,16 @@ def with_256_tokens(case):
 
 
 class StandInTimer:
-    """Times each config of a round from a dict (default 100 us), and records the rounds it was asked for."""
+    """Times each config of a round from a dict (default 100 us), the head-to-head round (the one asked for more
+    than one turn) from ``head_to_head`` where given, and records the rounds it was asked for."""
 
-    def __init__(self, times=None):
-        self.times, self.rounds = times or {}, []
+    def __init__(self, times=None, head_to_head=None):
+        self.times, self.head_to_head, self.rounds = times or {}, head_to_head, []
 
-    def __call__(self, case, configs):
+    def __call__(self, case, configs, rounds=1):
         self.rounds.append(list(configs))
-        return [self.times.get(c, 100.0) for c in configs]
+        times = self.head_to_head if rounds > 1 and self.head_to_head is not None else self.times
+        return [times.get(c, 100.0) for c in configs]
 
 
 def test_refine_times_the_two_fastest_with_their_neighbours_and_the_current_config(dense_case):
@@ -461,9 +463,24 @@ def test_refine_times_the_two_fastest_with_their_neighbours_and_the_current_conf
     timer = StandInTimer({winner: 90.0})
     config, us = refine(dense_case, finals, [300.0, 100.0, 110.0, 200.0], current, "test", timer=timer)
     assert (config, us) == (winner, 90.0)
-    (pool,) = timer.rounds
+    pool, head_to_head = timer.rounds
     assert pool[:2] == [first, second] and pool[-1] == current and slow not in pool
     assert winner in pool and not any(c in finals for c in pool[2:-1])
+    assert head_to_head == [winner, current]
+
+
+def test_refine_keeps_the_current_config_where_the_head_to_head_does_not_repeat_the_win(dense_case):
+    """Round two's fastest (90 us against the table's 100) is timed against the table's config again, over
+    CONFIRM_ROUNDS turns; at 99.5 against 100 there it is not faster by the margin, and the table's config stays."""
+    from moe.tools.tune import CONFIRM_ROUNDS, neighbours, refine
+
+    first = LaunchConfig(64, ws_tile(num_warps=4), ws_tile(256, num_warps=4))
+    current = POINTER_CONFIG
+    winner = neighbours(first, True, dense_case.weights, 2)[0]
+    timer = StandInTimer({winner: 90.0}, head_to_head={winner: 99.5, current: 100.0})
+    assert CONFIRM_ROUNDS > 1
+    assert refine(dense_case, [first, current], [95.0, 120.0], current, "test", timer=timer) == (current, 100.0)
+    assert timer.rounds[-1] == [winner, current]
 
 
 def test_refine_keeps_the_current_config_where_its_second_round_is_fastest(dense_case):
@@ -473,6 +490,32 @@ def test_refine_keeps_the_current_config_where_its_second_round_is_fastest(dense
     current = POINTER_CONFIG
     timer = StandInTimer({current: 50.0})
     assert refine(dense_case, [first, current], [100.0, 120.0], current, "test", timer=timer) == (current, 50.0)
+
+
+@pytest.mark.parametrize("winner_us, kept", [(99.5, True), (99.2, True), (98.9, False)])
+def test_refine_replaces_the_current_config_only_by_one_more_than_the_margin_faster(dense_case, winner_us, kept):
+    """The table's config timed at 100 us in the second round: a neighbour 0.5% or 0.8% faster leaves it in place
+    (the clock moves that much between rounds), one 1.1% faster replaces it."""
+    from moe.tools.tune import MARGIN, neighbours, refine
+
+    assert MARGIN == 0.01
+    first = LaunchConfig(64, ws_tile(num_warps=4), ws_tile(256, num_warps=4))
+    current = POINTER_CONFIG
+    winner = neighbours(first, True, dense_case.weights, 2)[0]
+    timer = StandInTimer({first: 101.0, current: 100.0, winner: winner_us})
+    config, us = refine(dense_case, [first, current], [90.0, 120.0], current, "test", timer=timer)
+    assert (config, us) == ((current, 100.0) if kept else (winner, winner_us))
+
+
+def test_refine_without_neighbours_keeps_the_current_config_within_the_margin(dense_case):
+    from moe.tools.tune import refine
+
+    plain = [LaunchConfig(64, TileConfig(128, 64, 8, 4, 4, tma=True), TileConfig(256, 64, 8, 4, n, tma=True))
+             for n in (3, 4)]
+    assert refine(dense_case, plain, [100.0, 99.5], plain[0], "test", timer=StandInTimer()) == (plain[0], 100.0)
+    timer = StandInTimer({plain[0]: 100.0, plain[1]: 98.0})
+    assert refine(dense_case, plain, [100.0, 98.0], plain[0], "test", timer=timer) == (plain[1], 98.0)
+    assert timer.rounds == [plain[::-1]]  # no second round, only the head to head
 
 
 def test_refine_without_neighbours_takes_the_first_rounds_fastest_without_a_second_round(dense_case):
@@ -497,9 +540,10 @@ def test_tune_refine_starts_from_the_current_config_then_times_its_neighbourhood
     winner = neighbours(fastest, True, case.weights, 2)[0]
     timer = StandInTimer({fastest: 80.0, candidates[0]: 90.0, winner: 70.0})
     assert refine_bucket(case, "fp16", (9, 0), "test", current, timer=timer) == (winner, 70.0)
-    first, second = timer.rounds
+    first, second, head_to_head = timer.rounds
     assert first == [current, *candidates]
     assert second[:2] == [fastest, candidates[0]] and second[-1] == current and winner in second
+    assert head_to_head == [winner, current]
 
 
 def test_tune_refine_on_a_gpu_without_ws_tiles_keeps_the_current_config(dense_case):

@@ -363,12 +363,54 @@ def time_configs(case: TuneCase, configs: list[LaunchConfig], rounds: int = 3) -
     return [statistics.median(t) for t in times]
 
 
+MARGIN = 0.01
+"""How much faster (a fraction of its time) a config must be than the table's, in the same round, to be timed
+against it head to head (`decide`); a smaller win is not taken. The table config's own time moved by 0.03-4.0%
+between the two rounds of one process in session 35's 13 buckets on an H200 (GPT-OSS fp8_block M = 4096: 1508.3
+and 1568.8 us), so one round's win of 1% says little alone."""
+
+CONFIRM_ROUNDS = 5
+"""Turns the round's winner and the table's config take in the head-to-head that must repeat the win. The fastest
+of some twenty configs timed once each is often fastest by luck: session 35's `tune --refine` on the H200 found
+eight configs 1.1-5.3% faster than the table's in its second round, and in a five-round A/B five of them were
+0.4-2.1% slower than the table's at their bucket's own M."""
+
+
+def fastest_of_round(pool: list[LaunchConfig], times: list[float], current: LaunchConfig | None,
+                     margin: float = MARGIN) -> tuple[LaunchConfig, float]:
+    """The round's fastest config and its time, unless the table's ``current`` config (timed in the same round) is
+    within ``margin`` of it: then the current one, so a re-tune does not rewrite a table for a clock's wobble."""
+    us, config = min(zip(times, pool), key=lambda tc: tc[0])
+    if current in pool:
+        current_us = times[pool.index(current)]
+        if us > current_us * (1.0 - margin):
+            return current, current_us
+    return config, us
+
+
+def decide(case: TuneCase, pool: list[LaunchConfig], times: list[float], current: LaunchConfig | None, label: str,
+           timer=time_configs, margin: float = MARGIN) -> tuple[LaunchConfig, float]:
+    """`fastest_of_round`; where that replaces the table's ``current`` config, the two are timed head to head
+    (`CONFIRM_ROUNDS` turns each) and the new one is kept only where it wins again by more than ``margin``."""
+    config, us = fastest_of_round(pool, times, current, margin)
+    if current not in pool or config == current:
+        if config == current:
+            sys.stderr.write(f"  {label}: no config {margin:.0%} faster than the table's ({us:.1f} us); kept\n")
+        return config, us
+    new_us, current_us = timer(case, [config, current], rounds=CONFIRM_ROUNDS)
+    confirmed = new_us <= current_us * (1.0 - margin)
+    sys.stderr.write(f"  {label}: head to head, {CONFIRM_ROUNDS} rounds: {new_us:.1f} against the table's "
+                     f"{current_us:.1f} us -> {'replaces it' if confirmed else 'the table config kept'}\n")
+    return (config, new_us) if confirmed else (current, current_us)
+
+
 def refine(case: TuneCase, finals: list[LaunchConfig], times: list[float], current: LaunchConfig | None,
-           label: str, keep: int = 2, timer=time_configs) -> tuple[LaunchConfig, float]:
+           label: str, keep: int = 2, timer=time_configs, margin: float = MARGIN) -> tuple[LaunchConfig, float]:
     """After the end-to-end round: the `neighbours` of its ``keep`` fastest configs timed end to end beside them and
     the table's ``current`` one, in a round of their own (a config's time from the first round is not compared
-    with the second's: the clocks differ between rounds by a few percent). The fastest of that round wins; where
-    the fastest configs have no neighbour, the first round's fastest."""
+    with the second's: the clocks differ between rounds by a few percent). The fastest of that round wins where it
+    beats ``current`` by more than ``margin`` and does again head to head (`decide`); where the fastest configs
+    have no neighbour, the first round is decided the same way."""
     order = sorted(range(len(finals)), key=times.__getitem__)
     best = [finals[i] for i in order[:keep]]
     p = case.problem
@@ -377,14 +419,12 @@ def refine(case: TuneCase, finals: list[LaunchConfig], times: list[float], curre
         near += [n for n in neighbours(config, p.activation.is_gated, case.weights, p.dtype.itemsize)
                  if n not in finals and n not in near]
     if not near:
-        return finals[order[0]], times[order[0]]
+        return decide(case, finals, times, current, label, timer, margin)
     pool = best + near + ([current] if current is not None and current not in best else [])
     pool_times = timer(case, pool)
-    us, config = min(zip(pool_times, pool), key=lambda tc: tc[0])
-    kept = " (the table's config, kept)" if config == current else ""
     sys.stderr.write(f"  {label}: {len(near)} neighbours of the fastest {keep}, end to end "
-                     f"{', '.join(f'{t:.1f}' for t in pool_times)} us -> {us:.1f}{kept}\n")
-    return config, us
+                     f"{', '.join(f'{t:.1f}' for t in pool_times)} us\n")
+    return decide(case, pool, pool_times, current, label, timer, margin)
 
 
 def tune_bucket(case: TuneCase, scheme: str, pool: ProcessPoolExecutor, device, label: str,
