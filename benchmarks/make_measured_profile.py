@@ -131,6 +131,11 @@ MACHINES = {
         "bf16_s34_mixtral_bench_nvidia-h200.json": ("records", None),
         "bf16_s34_gptoss_bench_nvidia-h200.json": ("records", None),
         "bf16_s34_deepseek_slice_bench_nvidia-h200.json": ("records", None),
+        # session 35: tune --refine's confirmed configs (Mixtral and the slice bf16 at M = 256, Qwen3 fp8_block 4096):
+        # Mixtral and the slice at M = 128-512 with FlashInfer's CUTLASS MoE beside them, Qwen3 fp8_block at 2048, 4096
+        "bf16_s35_mixtral_bench_nvidia-h200.json": ("records", None),
+        "bf16_s35_deepseek_slice_bench_nvidia-h200.json": ("records", None),
+        "fp8_block_s35_qwen3_bench_nvidia-h200.json": ("records", None),
     }, "measured on nvidia-h200 (2026-11-22 to 2026-12-04; EP2 on nvidia-h200-x2 2026-11-28) by python -m moe bench / "
        "benchmarks/flashinfer_bench.py / benchmarks/ep_all_to_all.py"),
     "nvidia-h100": Machine("h100", {

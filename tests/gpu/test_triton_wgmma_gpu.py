@@ -5,10 +5,12 @@ past the rows the routing filled), and a CUDA graph replays them equal to eager 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from moe.experts._triton.config import LaunchConfig, TileConfig
+from moe.experts._triton.config import CONFIG_DIR, ConfigTable, LaunchConfig, TileConfig
 from moe.experts.triton import TritonExperts
 from moe.formats import ActivationFormat, Dispatched
 from moe.presets import load_preset
@@ -45,6 +47,15 @@ def wgmma_tiles(block_m=64, num_warps=4, gemm1_n=64, gemm2_n=128, stages=4, ws=(
 def pointer_tiles(block_m=64) -> LaunchConfig:
     tile = TileConfig(64, 128, 8, 4, 3, tma=True)
     return LaunchConfig(block_m, tile, tile)
+
+
+def h200_table_ws_configs(prepared) -> list[LaunchConfig]:
+    """The distinct ws configs of the packaged H200 table for ``prepared``'s shapes and scheme, whatever M bucket
+    each sits in: the exact combinations the layer launches on that machine."""
+    key = dataclasses.replace(prepared.configs.key, device="NVIDIA H200")
+    configs = [c for _, c in ConfigTable.load(key, CONFIG_DIR).configs if c.gemm1.ws or c.gemm2.ws]
+    assert configs, f"the H200 table of {key} holds no ws config"
+    return list(dict.fromkeys(configs))
 
 
 def sm90_layer(preset: str, quant: str, kind: str):
@@ -95,6 +106,12 @@ BOTH = (True, True)
 def test_wgmma_equals_pointer_path_and_reference(layer, tokens, config):
     # the same products summed in the same K order (128-column steps); only the schedule differs
     check_against_pointer_and_reference(layer, tokens, config, pointer_tiles(config.block_m), 1e-2)
+
+
+@pytest.mark.parametrize("tokens", [33, 256, 1024])
+def test_every_ws_config_the_h200_fp8_table_ships_equals_the_pointer_path(layer, tokens):
+    for config in h200_table_ws_configs(layer[2]):
+        check_against_pointer_and_reference(layer, tokens, config, pointer_tiles(config.block_m), 1e-2)
 
 
 @pytest.mark.parametrize("config", [wgmma_tiles(), wgmma_tiles(128, 8, ws=BOTH),

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from moe.errors import MoEConfigError
-from moe.experts._triton.config import CONFIG_DIR, ConfigTable, LaunchConfig, TileConfig
+from moe.experts._triton.config import LaunchConfig, TileConfig
 from tests.gpu.test_triton_gpu import assert_poisoned_run_equals_run, assert_replay_equals_eager_without_sync, run
 from tests.gpu.test_triton_tma_a_gpu import only, tma_a_tiles
-from tests.gpu.test_triton_wgmma_gpu import (check_against_pointer_and_reference, dispatched_for, run_qwen3_under,
-                                             sm90_layer)
+from tests.gpu.test_triton_wgmma_gpu import (check_against_pointer_and_reference, dispatched_for,
+                                             h200_table_ws_configs, run_qwen3_under, sm90_layer)
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
@@ -68,11 +68,7 @@ def test_ws_equals_pointer_path_and_reference(layer, tokens, config):
 def test_every_ws_config_the_h200_table_ships_equals_the_pointer_path(layer, tokens):
     """The packaged H200 table of each preset, whatever M bucket a ws config sits in: the exact combinations the
     layer launches on that machine (ring depths, stores, group sizes, the gathering loader) at this GPU's shapes."""
-    p, experts, prepared, _ = layer
-    key = dataclasses.replace(prepared.configs.key, device="NVIDIA H200")
-    configs = [c for _, c in ConfigTable.load(key, CONFIG_DIR).configs if c.gemm1.ws or c.gemm2.ws]
-    assert configs, f"the H200 table of {key} holds no ws config"
-    for config in dict.fromkeys(configs):
+    for config in h200_table_ws_configs(layer[2]):
         check_against_pointer_and_reference(layer, tokens, config, plain(config), 2e-2)
 
 
