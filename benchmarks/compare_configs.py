@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -42,20 +43,24 @@ def config_source(text: str, key: ConfigKey, table: ConfigTable):
     """``--config``'s value as a function of M: the loaded ``table``'s lookup, a table file's, or one config."""
     if text == "table":
         return table.lookup
-    if not text.lstrip().startswith("{"):
-        path = Path(text)
-        if not path.is_file():
-            raise MoEConfigError(f"--config {text}: not 'table', a LaunchConfig as JSON, or an existing table file")
-        data = json.loads(path.read_text())
+    inline = text.lstrip().startswith("{")
+    if not inline and not Path(text).is_file():
+        raise MoEConfigError(f"--config {text}: not 'table', a LaunchConfig as JSON, or an existing table file")
+    try:
+        data = json.loads(text if inline else Path(text).read_text())
+        if inline:
+            data.setdefault("gemm2", data["gemm1"])
+            config = LaunchConfig.from_dict(data)
+            return lambda tokens: config
         theirs = ConfigKey(**data["key"])
-        if dataclasses.replace(theirs, device=key.device) != key:
-            raise MoEConfigError(f"--config {text}: the table is for {theirs}, not this problem's {key} "
-                                 "(only the device may differ)")
-        return ConfigTable.from_json(theirs, data).lookup
-    data = json.loads(text)
-    data.setdefault("gemm2", data["gemm1"])
-    config = LaunchConfig.from_dict(data)
-    return lambda tokens: config
+        theirs_table = ConfigTable.from_json(theirs, data)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        what = "a LaunchConfig as JSON" if inline else "a table file as moe tune writes it"
+        raise MoEConfigError(f"--config {text}: not {what} ({type(error).__name__}: {error})") from None
+    if dataclasses.replace(theirs, device=key.device) != key:
+        raise MoEConfigError(f"--config {text}: the table is for {theirs}, not this problem's {key} "
+                             "(only the device may differ)")
+    return theirs_table.lookup
 
 
 def compare(case_for, sources: list, tokens: list[int], rounds: int, timer=time_configs) -> list[dict]:
@@ -78,6 +83,37 @@ def format_row(row: dict, labels: list[str]) -> str:
         for i, (label, us) in enumerate(zip(labels, row["us"], strict=True)))
 
 
+def plot_ratios(path: str | Path, series: dict[str, list[tuple[int, float]]], title: str,
+                ylabel: str = "time / the first config's (< 1: faster)") -> None:
+    """Each series' (M, time / baseline's time) against M, log-x, with the line where they are equal."""
+    import matplotlib  # optional: --plot checks that it is installed before the run
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, points in series.items():
+        ms, ratios = zip(*sorted(points), strict=True)
+        ax.semilogx(ms, ratios, "o-", label=label)
+    ax.axhline(1.0, color="k", linewidth=0.8)
+    ms = sorted({m for points in series.values() for m, _ in points})
+    ax.set_xticks(ms, [str(m) for m in ms], minor=False)
+    ax.set_xticks([], minor=True)
+    ax.set_xlabel("tokens M")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def ratio_series(rows: list[dict], labels: list[str]) -> dict[str, list[tuple[int, float]]]:
+    """Each config after the first: (M, its time / the first's) at the M where they were timed."""
+    return {label: [(row["tokens"], row["us"][i] / row["us"][0]) for row in rows if row["us"] is not None]
+            for i, label in enumerate(labels) if i > 0}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", required=True)
@@ -87,13 +123,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="'table', a table file, or a LaunchConfig as JSON (repeat: each is timed)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None, help="write the rows (M, each config and its us) to this file")
+    parser.add_argument("--plot", default=None, help="draw each config's time over the first's against M (.png)")
     args = parser.parse_args(argv)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise MoEConfigError(f"--plot {args.plot}: needs matplotlib, which is not installed (pip install matplotlib)")
     try:
         tokens = sorted({int(t) for t in args.tokens.split(",")})
     except ValueError:
         raise MoEConfigError(f"--tokens {args.tokens}: expected comma-separated integers >= 1") from None
     if tokens[0] < 1:
         raise MoEConfigError(f"--tokens {args.tokens}: every M must be >= 1")
+    if args.rounds < 1:
+        raise MoEConfigError(f"--rounds {args.rounds}: must be >= 1")
     if not torch.cuda.is_available():
         raise UnsupportedError("compare_configs.py needs a CUDA GPU, and torch finds none on this machine")
     device = torch.device("cuda")
@@ -108,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label}: {text}")
     for row in rows:
         print(format_row(row, labels))
+    if args.plot:
+        plot_ratios(args.plot, ratio_series(rows, labels), f"{args.preset} {args.quant}: against {labels[0]}")
     if args.json:
         Path(args.json).write_text(json.dumps({"preset": args.preset, "quant": args.quant, "rounds": args.rounds,
                                                "configs": args.config, "rows": rows}, indent=1) + "\n")

@@ -70,6 +70,21 @@ def test_a_missing_file_is_refused_naming_the_flag_and_the_choices(tmp_path):
         benchmark_script("compare_configs").config_source(str(tmp_path / "nothing.json"), KEY, TABLE)
 
 
+@pytest.mark.parametrize("text, what", [('{"block_m": 64}', "a LaunchConfig as JSON"),
+                                        ('{"block_m": 64, "gemm1": {"width": 3}}', "a LaunchConfig as JSON"),
+                                        ("{not json", "a LaunchConfig as JSON")])
+def test_a_config_that_is_not_one_is_refused_naming_the_flag(text, what):
+    with pytest.raises(MoEConfigError, match=rf"--config .*: not {what}"):
+        benchmark_script("compare_configs").config_source(text, KEY, TABLE)
+
+
+def test_a_file_that_is_not_a_table_is_refused_naming_the_flag(tmp_path):
+    path = tmp_path / "notes.json"
+    path.write_text('{"configs": {}}')
+    with pytest.raises(MoEConfigError, match=r"--config .*notes\.json: not a table file as moe tune writes it"):
+        benchmark_script("compare_configs").config_source(str(path), KEY, TABLE)
+
+
 @pytest.mark.parametrize("tokens, match", [("256,x", "expected comma-separated integers"),
                                            ("0,256", "every M must be >= 1")])
 def test_bad_tokens_are_refused_naming_the_flag_before_any_gpu_work(tokens, match):
@@ -78,7 +93,24 @@ def test_bad_tokens_are_refused_naming_the_flag_before_any_gpu_work(tokens, matc
                                                   "--config", "table"])
 
 
+def test_zero_rounds_are_refused_naming_the_flag():
+    with pytest.raises(MoEConfigError, match=r"--rounds 0: must be >= 1"):
+        benchmark_script("compare_configs").main(["--preset", "mixtral-8x7b", "--tokens", "256", "--rounds", "0",
+                                                  "--config", "table"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU would run the comparison")
 def test_without_a_gpu_it_says_so():
     with pytest.raises(UnsupportedError, match="needs a CUDA GPU"):
         benchmark_script("compare_configs").main(["--preset", "mixtral-8x7b", "--tokens", "256", "--config", "table"])
+
+
+def test_the_plot_draws_each_config_against_the_first_where_they_differ(tmp_path):
+    pytest.importorskip("matplotlib")
+    script = benchmark_script("compare_configs")
+    rows = [{"tokens": 256, "us": [100.0, 90.0, 110.0]}, {"tokens": 1024, "us": None},
+            {"tokens": 4096, "us": [200.0, 210.0, 190.0]}]
+    series = script.ratio_series(rows, ["table", "#2", "#3"])
+    assert series == {"#2": [(256, 0.9), (4096, 1.05)], "#3": [(256, 1.1), (4096, 0.95)]}
+    script.plot_ratios(tmp_path / "ab.png", series, "test")
+    assert (tmp_path / "ab.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

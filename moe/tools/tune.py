@@ -380,7 +380,7 @@ def fastest_of_round(pool: list[LaunchConfig], times: list[float], current: Laun
                      margin: float = MARGIN) -> tuple[LaunchConfig, float]:
     """The round's fastest config and its time, unless the table's ``current`` config (timed in the same round) is
     within ``margin`` of it: then the current one, so a re-tune does not rewrite a table for a clock's wobble."""
-    us, config = min(zip(times, pool), key=lambda tc: tc[0])
+    us, config = min(zip(times, pool, strict=True), key=lambda tc: tc[0])
     if current in pool:
         current_us = times[pool.index(current)]
         if us > current_us * (1.0 - margin):
@@ -518,7 +518,8 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--refine", action="store_true",
                         help="no tile search: time each bucket's current config (the one a load takes at that M) "
                              "against the warp-specialized candidates and the fastest two's neighbours, end to end, "
-                             "and keep the fastest (about a minute a bucket on an H200)")
+                             "and keep the fastest where it beats the current one by over 1%% again head to head "
+                             "(about a minute a bucket on an H200)")
 
 
 def tune_command(args: argparse.Namespace) -> int:
