@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe.errors import MoEConfigError, UnsupportedError  # noqa: E402
 from moe.experts._triton.config import ConfigKey, ConfigTable, LaunchConfig  # noqa: E402
+from moe.experts._triton.support import config_key  # noqa: E402
 from moe.presets import load_preset  # noqa: E402
 from moe.tools.bench import build_weights  # noqa: E402
 from moe.tools.tune import make_case, time_configs  # noqa: E402
@@ -139,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         raise UnsupportedError("compare_configs.py needs a CUDA GPU, and torch finds none on this machine")
     device = torch.device("cuda")
     preset = load_preset(args.preset)
-    weights = build_weights(preset.problem(quant=args.quant, max_tokens=max(tokens)), device)
-    table = make_case(preset, args.quant, tokens[0], weights, device).weights.configs
+    problem = preset.problem(quant=args.quant, max_tokens=max(tokens))
+    weights = build_weights(problem, device)
+    table = ConfigTable.load(config_key(problem, "standard", device))  # what TritonExperts.prepare_weights loads
     sources = [config_source(text, table.key, table) for text in args.config]
     rows = compare(lambda m: make_case(preset, args.quant, m, weights, device), sources, tokens, args.rounds)
     labels = ["table" if text == "table" else f"#{i + 1}" for i, text in enumerate(args.config)]

@@ -23,7 +23,7 @@ TABLE = ConfigTable(KEY, ((256, SMALL), (1024, LARGE)))
 
 def write_table(tmp_path, table: ConfigTable, device: str = "NVIDIA H100 80GB HBM3"):
     """``table`` as ``moe tune --out`` writes it, tuned on another GPU."""
-    return table.__class__(dataclasses.replace(table.key, device=device), table.configs).save(tmp_path)
+    return ConfigTable(dataclasses.replace(table.key, device=device), table.configs).save(tmp_path)
 
 
 def test_each_config_source_gives_the_config_it_names_at_each_m(tmp_path):

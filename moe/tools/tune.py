@@ -4,9 +4,10 @@ For each token count M (a bucket), every candidate BLOCK_M is tried; for each, t
 GEMMs are timed separately (CUDA-graph replays, two input sets with different routing rotated so
 the weights are not all cache-hot); the three best plans and the table's current config for M are
 then timed end to end, taking turns; the two fastest and their neighbours (a store, a loader, a group size or
-a ring depth changed) are timed again in a round of their own with the current config, and the fastest wins (so a
-re-tune never makes a bucket slower). All candidate
-kernels are compiled first, in parallel worker processes, into Triton's on-disk cache. ``--refine`` skips the
+a ring depth changed) are timed again in a round of their own with the current config, and the fastest replaces
+the current one only where it is faster by `MARGIN` there and again in a head to head (so a re-tune never makes
+a bucket slower). All candidate kernels are compiled first, in parallel worker processes, into Triton's on-disk
+cache. ``--refine`` skips the
 tile search: each bucket's current config, the warp-specialized candidates and the neighbourhood only. The result
 is one `ConfigTable` file per (shape, scheme, device) in ``triton/`` of the tuning cache (``moe.cache``;
 the packaged ``moe/experts/_triton/configs/`` when the cache is off, or ``--out``), which
@@ -376,6 +377,11 @@ eight configs 1.1-5.3% faster than the table's in its second round, and in a fiv
 0.4-2.1% slower than the table's at their bucket's own M."""
 
 
+def beats(us: float, current_us: float, margin: float = MARGIN) -> bool:
+    """Whether ``us`` is faster than ``current_us`` by ``margin`` of it or more."""
+    return us <= current_us * (1.0 - margin)
+
+
 def fastest_of_round(pool: list[LaunchConfig], times: list[float], current: LaunchConfig | None,
                      margin: float = MARGIN) -> tuple[LaunchConfig, float]:
     """The round's fastest config and its time, unless the table's ``current`` config (timed in the same round) is
@@ -383,7 +389,7 @@ def fastest_of_round(pool: list[LaunchConfig], times: list[float], current: Laun
     us, config = min(zip(times, pool, strict=True), key=lambda tc: tc[0])
     if current in pool:
         current_us = times[pool.index(current)]
-        if us > current_us * (1.0 - margin):
+        if not beats(us, current_us, margin):
             return current, current_us
     return config, us
 
@@ -393,12 +399,12 @@ def decide(case: TuneCase, pool: list[LaunchConfig], times: list[float], current
     """`fastest_of_round`; where that replaces the table's ``current`` config, the two are timed head to head
     (`CONFIRM_ROUNDS` turns each) and the new one is kept only where it wins again by more than ``margin``."""
     config, us = fastest_of_round(pool, times, current, margin)
+    if config == current:
+        sys.stderr.write(f"  {label}: no config {margin:.0%} faster than the table's ({us:.1f} us); kept\n")
     if current not in pool or config == current:
-        if config == current:
-            sys.stderr.write(f"  {label}: no config {margin:.0%} faster than the table's ({us:.1f} us); kept\n")
         return config, us
     new_us, current_us = timer(case, [config, current], rounds=CONFIRM_ROUNDS)
-    confirmed = new_us <= current_us * (1.0 - margin)
+    confirmed = beats(new_us, current_us, margin)
     sys.stderr.write(f"  {label}: head to head, {CONFIRM_ROUNDS} rounds: {new_us:.1f} against the table's "
                      f"{current_us:.1f} us -> {'replaces it' if confirmed else 'the table config kept'}\n")
     return (config, new_us) if confirmed else (current, current_us)
@@ -518,8 +524,8 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--refine", action="store_true",
                         help="no tile search: time each bucket's current config (the one a load takes at that M) "
                              "against the warp-specialized candidates and the fastest two's neighbours, end to end, "
-                             "and keep the fastest where it beats the current one by over 1%% again head to head "
-                             "(about a minute a bucket on an H200)")
+                             f"and keep the fastest where it beats the current one by over {MARGIN:.0%}% again in "
+                             f"{CONFIRM_ROUNDS} rounds head to head (about a minute a bucket on an H200)")
 
 
 def tune_command(args: argparse.Namespace) -> int:
