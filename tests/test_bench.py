@@ -150,6 +150,52 @@ def test_command_line_arguments():
     assert parser.parse_args(["--preset", "mixtral-8x7b"]).quant == ["bf16"]
 
 
+def test_backends_take_turns_in_each_round_and_keep_every_rounds_time():
+    """``--rounds``: A, B, A, B, ... so that a drift of the clocks reaches both; each keeps its rounds' times."""
+    order = []
+
+    def timer(name, us):
+        def timed():
+            order.append(name)
+            return us.pop(0)
+        return timed
+
+    times = bench.time_in_turns({"triton": timer("triton", [3.0, 1.0, 2.0]),
+                                 "flashinfer_cutlass": timer("flashinfer_cutlass", [5.0, 4.0, 6.0])}, rounds=3)
+    assert order == ["triton", "flashinfer_cutlass"] * 3
+    assert times == {"triton": [3.0, 1.0, 2.0], "flashinfer_cutlass": [5.0, 4.0, 6.0]}
+    assert bench.time_in_turns({}, rounds=3) == {}
+
+
+def test_a_timer_warms_up_once_then_times_on_each_call():
+    """`graph_timer` runs the calls once to warm up when it is made; each call of the timer times them again (here
+    on the CPU's wall clock: no graphs), and `time_calls` is one such round."""
+    runs = []
+    timer = bench.graph_timer([lambda: runs.append("a"), lambda: runs.append("b")], graphs=False, budget_ms=1.0)
+    assert runs == ["a", "b"]
+    first = timer()
+    after_one = len(runs)
+    assert first > 0 and after_one > 2 and after_one % 2 == 0  # whole rotations through both calls
+    assert timer() > 0 and len(runs) > after_one
+    assert bench.time_calls([lambda: None], graphs=False, budget_ms=1.0) > 0
+
+
+def test_rounds_argument_and_the_records_that_keep_them(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_bench_arguments(parser)
+    assert parser.parse_args([]).rounds == 1
+    assert parser.parse_args(["--rounds", "3"]).rounds == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--rounds", "0"])
+    assert "argument --rounds" in capsys.readouterr().err
+    # a record with its rounds goes to --json and comes back as the scoreboard reads it (Record(**r))
+    record = dataclasses.replace(_record("triton", 4096, 770.0), rounds_us=[771.9, 770.0, 765.2])
+    ceilings = bench_report.Ceilings("NVIDIA H200", 4.2e12, 7.7e14, 1.5e15)
+    bench_report.write_json(tmp_path / "r.json", ceilings, [record], "nvidia-h200")
+    (back,) = [bench_report.Record(**r) for r in json.loads((tmp_path / "r.json").read_text())["records"]]
+    assert back == record and back.rounds_us == [771.9, 770.0, 765.2]
+
+
 def test_bench_without_gpu_says_so(capsys):
     if torch.cuda.is_available():
         pytest.skip("has a GPU")

@@ -13,6 +13,10 @@ rates measured at the start of the run (`moe.platform.Platform.measure_rates`: a
 bf16 and fp8 matrix products). So "% of roofline" here and the efficiency the oracle derives from a
 measured profile point are one quantity (the oracle's at the preset's rates and expected hits).
 
+``--rounds R`` times each cell's backends in turn R times and reports each one's median round (the rounds go
+to ``--json``), so that the clocks' drift under the GPU's power cap reaches them alike; by default each is timed
+once, as soon as it is captured.
+
 ``--json`` writes every record; ``--save-profile`` writes the per-backend profile the oracle reads
 (``moe.tools.bench_report.save_profile``); ``--plot`` draws microseconds and %-roofline against M per
 backend. Where a targets file is given or the checkout has ``benchmarks/peer_targets.yaml``, a
@@ -25,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,10 +63,11 @@ CHECKOUT_TARGETS = Path(__file__).resolve().parents[2] / "benchmarks" / "peer_ta
 # --- timing --------------------------------------------------------------------------------------
 
 
-def time_calls(calls: list, graphs: bool, budget_ms: float = 300.0) -> float:
-    """Median microseconds of one call, rotating through ``calls`` (each a no-argument function);
-    about ``budget_ms`` of timed repetitions. Without ``graphs`` it also runs where torch has no CUDA
-    (wall clock; benchmarks' CPU smoke runs)."""
+def graph_timer(calls: list, graphs: bool, budget_ms: float = 300.0) -> Callable[[], float]:
+    """``calls`` (each a no-argument function) warmed up once and, with ``graphs``, captured in one CUDA graph.
+    Returns a timer: each call of it times about ``budget_ms`` of repetitions, rotating through ``calls``, and
+    gives the median microseconds of one call. Without ``graphs`` it also runs where torch has no CUDA (wall
+    clock; benchmarks' CPU smoke runs)."""
     def run_all():
         for call in calls:
             call()
@@ -78,9 +85,29 @@ def time_calls(calls: list, graphs: bool, budget_ms: float = 300.0) -> float:
                 run_all()
         torch.cuda.synchronize()
         fn = graph.replay
-    first = median_ms(fn, 3, warmup=1)
-    reps = int(min(2000, max(5, budget_ms / max(first, 1e-3))))
-    return median_ms(fn, reps) * 1e3 / len(calls)
+
+    def timed() -> float:
+        first = median_ms(fn, 3, warmup=1)
+        reps = int(min(2000, max(5, budget_ms / max(first, 1e-3))))
+        return median_ms(fn, reps) * 1e3 / len(calls)
+
+    return timed
+
+
+def time_calls(calls: list, graphs: bool, budget_ms: float = 300.0) -> float:
+    """Median microseconds of one call, rotating through ``calls``: one round of `graph_timer`."""
+    return graph_timer(calls, graphs, budget_ms)()
+
+
+def time_in_turns(timers: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Each timer's microseconds over ``rounds`` rounds, the timers taking turns within a round (A, B, A, B, ...):
+    a drift of the GPU's clocks during the cell (its power cap, say) reaches every backend alike instead of the
+    one timed last."""
+    times: dict[str, list[float]] = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            times[name].append(timer())
+    return times
 
 
 # --- problems, inputs, traffic -------------------------------------------------------------------
@@ -151,9 +178,12 @@ def backend_calls(cls, problem, weights, inputs, device, *, experts=None, prepar
 
 
 def bench_case(preset, quant: str, tokens: int, names: list[str], platform: Platform, device,
-               rotations: int, weights_cache: dict, log, targets: Targets | None = None) -> list[Record]:
+               rotations: int, weights_cache: dict, log, targets: Targets | None = None,
+               rounds: int = 1) -> list[Record]:
     """Every backend in ``names`` that can serve (preset, quant) on ``platform`` (this GPU, its rates
-    measured), at M = ``tokens``."""
+    measured), at M = ``tokens``. With ``rounds`` > 1 every backend is captured first, then they are timed in
+    turns (`time_in_turns`) and each records its median round (its graph and workspace stay allocated through
+    the cell); with one round each is timed as soon as it is captured."""
     problem = preset.problem(quant=quant, max_tokens=tokens)
     key = (preset.name, quant)
     if key not in weights_cache:
@@ -163,7 +193,7 @@ def bench_case(preset, quant: str, tokens: int, names: list[str], platform: Plat
     inputs = make_inputs(preset, problem, tokens, rotations, device)
     roof = traffic(problem, platform, [t for _, t in inputs])
     nbytes = roof.weight_bytes + roof.activation_bytes
-    records = []
+    timers, graphed, times = {}, {}, {}
     for name in names:
         cls = get_experts(name)
         reasons = cls.check(problem, platform)
@@ -171,23 +201,31 @@ def bench_case(preset, quant: str, tokens: int, names: list[str], platform: Plat
             log(f"  {name}: skipped ({'; '.join(reasons)})")
             continue
         calls = backend_calls(cls, problem, weights, inputs, device)
-        graphs = True  # also for classes that do not declare graph safety (allocating, say) but capture
+        graphed[name] = True  # also for classes that do not declare graph safety (allocating, say) but capture
         try:
-            us = time_calls(calls, graphs=True)
+            timer = graph_timer(calls, graphs=True)
         except RuntimeError as error:
             if cls.capabilities.cuda_graph_safe:
                 raise
             log(f"  {name}: does not capture in a CUDA graph ({str(error).splitlines()[0][:100]}); timed eagerly")
             torch.cuda.synchronize()
-            graphs, us = False, time_calls(calls, graphs=False)
+            graphed[name], timer = False, graph_timer(calls, graphs=False)
+        if rounds == 1:
+            times[name] = [timer()]
+        else:
+            timers[name] = timer
+    times.update(time_in_turns(timers, rounds))
+    records = []
+    for name, graphs in graphed.items():
+        us = statistics.median(times[name])
         target = targets.time(preset.name, quant, tokens) if targets else None
         records.append(Record(preset.name, quant, tokens, name, us, roof.flops / us * 1e-6, nbytes / us * 1e-3,
-                              roof.us, roof.us / us, graphs, target))
+                              roof.us, roof.us / us, graphs, target, times[name] if rounds > 1 else None))
     return records
 
 
 def run_bench(presets, quants, tokens, names, rotations: int = 4, log=print,
-              targets: Targets | None = None) -> tuple[Ceilings, list[Record]]:
+              targets: Targets | None = None, rounds: int = 1) -> tuple[Ceilings, list[Record]]:
     device = torch.device("cuda")
     platform = Platform.detect(device).measure_rates(device)
     ceilings = Ceilings.of(platform)
@@ -199,9 +237,10 @@ def run_bench(presets, quants, tokens, names, rotations: int = 4, log=print,
         for quant in quants:
             for m in tokens:
                 rot = rotations if m <= 4096 else 2
-                new = bench_case(preset, quant, m, names, platform, device, rot, cache, log, targets)
+                new = bench_case(preset, quant, m, names, platform, device, rot, cache, log, targets, rounds)
                 for r in new:
-                    log(f"  {r.preset} {r.quant} M={m} {r.experts}: {r.us:.1f} us, "
+                    spread = f" (median of {min(r.rounds_us):.1f}-{max(r.rounds_us):.1f})" if r.rounds_us else ""
+                    log(f"  {r.preset} {r.quant} M={m} {r.experts}: {r.us:.1f} us{spread}, "
                         f"{r.roofline_fraction:.0%} of roofline")
                 records += new
     return ceilings, records
@@ -221,6 +260,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", default=",".join(DEFAULT_EXPERTS),
                         help="comma-separated experts backends, or 'all'")
     parser.add_argument("--rotations", type=int_at_least(1), default=4, help="input sets rotated through (default 4)")
+    parser.add_argument("--rounds", type=int_at_least(1), default=1,
+                        help="time each cell's backends in turn this many times and report each one's median round "
+                             "(default 1; every backend's graph and workspace then stay allocated through the cell)")
     parser.add_argument("--targets", default=None,
                         help="a peer's times to compare against (YAML; default: the checkout's "
                              "benchmarks/peer_targets.yaml where it exists)")
@@ -266,7 +308,8 @@ def bench_command(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise UnsupportedError("needs a CUDA GPU, and torch finds none on this machine")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    ceilings, records = run_bench(args.preset, args.quant, args.tokens, names, args.rotations, log, targets)
+    ceilings, records = run_bench(args.preset, args.quant, args.tokens, names, args.rotations, log, targets,
+                                  args.rounds)
     peer = targets.name if targets else "target"
     print(format_table(records, peer))
     goal = format_targets(records, ceilings, targets) if targets else ""

@@ -55,6 +55,7 @@ class Record:
     roofline_fraction: float
     graphs: bool  # timed with CUDA graphs
     target_us: float | None = None  # the peer's time from the targets file, where it has one
+    rounds_us: list[float] | None = None  # each round's time where the backends took turns (``--rounds``); us: median
 
 
 @dataclass(frozen=True)
