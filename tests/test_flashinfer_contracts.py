@@ -373,3 +373,30 @@ def test_expert_maps_must_be_contiguous():
     assert CUTLASS.check(problem("bf16", parallel=odd_block), None)  # not E/ep_size experts per rank
     assert TRTLLM.check(problem("bf16", parallel=odd_block), None) == []  # an offset + count is enough
 
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("tune_max", [1, 16, 64, 1024, 8192])
+def test_cutlass_warmup_profiles_the_bucket_every_m_is_looked_up_in(tune_max):
+    """cutlass_fused_moe looks a call's M up in one bucket (the installed FlashInfer's hybrid mapper, as its
+    MoERunner's tuning config has it); a tactic profiled anywhere else is never found. Every M up to the tuned
+    bound must land on a bucket `warmup` profiles: by default, and when it is given that M alone (the bench)."""
+    from flashinfer.fused_moe.utils import map_to_hybrid_bucket
+
+    every = set(flashinfer_cutlass.tuning_buckets(tune_max))
+    for m in range(1, tune_max + 1):
+        assert map_to_hybrid_bucket(m, tune_max) in every, m
+        assert flashinfer_cutlass.tuning_buckets(tune_max, (m,)) == (map_to_hybrid_bucket(m, tune_max),), m
+    if tune_max == 1024:  # the steps of 256 past 256 that powers of two alone missed
+        assert {768, 1024} <= every and 700 not in every
+
+
+def test_cutlass_warmup_buckets_without_flashinfers_helpers_are_powers_of_two(monkeypatch):
+    """An older FlashInfer without the hybrid helpers: powers of two up to the bound, M rounded up to one; M above
+    the bound are dropped (the bound alone where none is left)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "flashinfer.fused_moe.utils", None)  # the import then raises ImportError
+    assert flashinfer_cutlass.tuning_buckets(16) == (1, 2, 4, 8, 16)
+    assert flashinfer_cutlass.tuning_buckets(1024, (9, 700, 4096)) == (16, 1024)
+    assert flashinfer_cutlass.tuning_buckets(64, (512,)) == (64,)

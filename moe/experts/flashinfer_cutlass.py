@@ -21,7 +21,8 @@ dynamically, so pass a calibrated value for models whose intermediates are far f
 Expert parallelism: the default even shards only (the kernel takes ep_size/ep_rank).
 
 Tactics are tuned per token bucket by ``warmup`` (FlashInfer's autotuner), never on the hot path: a
-bucket never tuned runs the library's default tactic. The prebuilt SM90 module of the lent GPU machine
+bucket never tuned runs the library's default tactic, so ``warmup`` profiles the buckets FlashInfer maps a call's
+M to (`tuning_buckets`). The prebuilt SM90 module of the lent GPU machine
 holds the BF16 and W4A16 kernels only; the other schemes are tested up to the kernel call.
 """
 
@@ -70,7 +71,31 @@ CUTLASS_MODES = {
     "nvfp4": _mode("nvfp4", SM100_PLUS, 128, modes.Nvfp4()),
     "mxfp4_a_mxfp8": _mode("mxfp8 x mxfp4", SM100_PLUS, 128, modes.Mxfp4Mxfp8()),
 }
-DEFAULT_TUNING_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def tuning_buckets(tune_max: int, requested: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """The token counts ``warmup`` profiles so that every M the kernel is later called with finds a tactic.
+
+    `cutlass_fused_moe` maps a call's M to one bucket (FlashInfer 0.7's ``map_to_hybrid_bucket``: powers of two to
+    256, then steps of 256 to 2048 and of 512 to 4096, powers of two beyond, at most ``tune_max``, its
+    ``tune_max_num_tokens``) and looks up that bucket's profile only. A profile taken at any other M is never found,
+    and the call runs the default tactic: on an H200 GPT-OSS-120B bf16 at M = 9, profiled at 9 and looked up at
+    16, took 2847.7 us against 371.1 at M = 8 (benchmarks/results/issue14_s36_scoreboard_nvidia-h200.md). So
+    ``requested`` M (those above ``tune_max`` dropped) are profiled at their buckets, and by default every bucket
+    up to ``tune_max`` (``get_hybrid_num_tokens_buckets``). A FlashInfer without those helpers buckets by powers
+    of two."""
+    try:
+        from flashinfer.fused_moe.utils import get_hybrid_num_tokens_buckets, map_to_hybrid_bucket
+    except ImportError:  # an older FlashInfer: power-of-two buckets
+        def map_to_hybrid_bucket(m: int, top: int) -> int:
+            return min(power_of_two_at_least(m), top)
+
+        def get_hybrid_num_tokens_buckets(top: int) -> tuple[int, ...]:
+            return tuple(1 << i for i in range(top.bit_length()) if 1 << i <= top)
+    if requested:
+        mapped = sorted({map_to_hybrid_bucket(m, tune_max) for m in requested if m <= tune_max})
+        return tuple(mapped) or (tune_max,)
+    return tuple(get_hybrid_num_tokens_buckets(tune_max))
 
 
 @register_experts
@@ -176,7 +201,8 @@ class FlashInferCutlassExperts(FlashInferExperts):
 
     # --- warm-up -----------------------------------------------------------------------------
     def warmup(self, weights: CutlassWeights, buckets: tuple[int, ...] | None = None) -> None:
-        """Autotunes the GEMM tactics for every token bucket up to ``max_tokens`` (or ``buckets``).
+        """Autotunes the GEMM tactics for every token bucket up to ``max_tokens`` (or the buckets of the M in
+        ``buckets``: `tuning_buckets`).
 
         Run once after ``prepare_weights`` and before serving or CUDA-graph capture; the hot path then
         only looks the tactic of its bucket up. The tactics come from the tuning cache when it has them
@@ -184,7 +210,7 @@ class FlashInferCutlassExperts(FlashInferExperts):
         """
         device = weights.w13.device
         rows = self.tune_max_tokens
-        buckets = tuple(b for b in (buckets or DEFAULT_TUNING_BUCKETS) if b <= rows) or (rows,)
+        buckets = tuning_buckets(rows, buckets)
         dispatched = synthetic_dispatch(self.problem, rows, device)
         workspace = WorkspaceManager(device).take(self.workspace_shapes(DispatchShape(ActivationFormat.STANDARD, rows)))
         tuned_warmup(self, buckets, device, lambda: self.apply(dispatched, weights, workspace))

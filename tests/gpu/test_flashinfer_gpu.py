@@ -9,6 +9,8 @@ Needs flashinfer with the SM90 CUTLASS MoE module (on the lent machine: ``source
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -134,3 +136,39 @@ def test_warmup_then_cuda_graph_replay_matches_eager(quant):
     graph.replay()
     torch.cuda.synchronize()
     assert relative_error(captured, eager) < 1e-2  # the fused finalize's atomics may reorder the k sum
+
+
+@pytest.mark.parametrize("quant", ["mxfp4", "bf16"])
+@pytest.mark.parametrize("warm, tokens", [(None, 700), (None, 9), ((9,), 9)],
+                         ids=["every-bucket-M700", "every-bucket-M9", "bench-M9"])
+def test_every_m_after_warmup_finds_a_tuned_tactic(quant, warm, tokens):
+    """After ``warmup`` (every bucket up to max_tokens, or the bench's one M) a call at an M between FlashInfer's
+    buckets finds a profiled tactic: FlashInfer logs "No tuned config covers" where it falls back to its default
+    one. On the H200 the power-of-two buckets `warmup` had failed at M = 700 for both schemes (700 is looked up in
+    bucket 768); the M = 9 cases passed with them too in this small layer, but `moe bench` at GPT-OSS-120B bf16
+    M = 9 (warmed at 9, looked up at 16) fell back and took 2847.7 us, 384.2 after the fix (session 36)."""
+    from flashinfer.autotuner import AutoTuner
+    from flashinfer.jit.core import logger  # FlashInfer's own logger object, not logging.getLogger's
+
+    p = MoEProblem.create(num_experts=8, top_k=2, hidden_size=320, intermediate_size=192, activation="swiglu_oai",
+                          quant=quant, dtype=torch.bfloat16, has_bias=True, max_tokens=1024 if tokens > 64 else tokens)
+    weights = ExpertWeights.from_dense(**dense_weights(dict(num_experts=8, hidden_size=320, intermediate_size=192,
+                                                           has_bias=True)), quant=p.quant, dtype=p.dtype)
+    experts = FlashInferCutlassExperts(p)
+    prepared = experts.prepare_weights(weights)
+    experts.warmup(prepared, warm)
+    dispatched = synthetic_dispatch(p, tokens, torch.device("cuda"))
+    workspace = WorkspaceManager("cuda").take(experts.workspace_shapes(DispatchShape(ActivationFormat.STANDARD,
+                                                                                     tokens)))
+    tuner = AutoTuner.get()
+    getattr(tuner, "_logged_cache_miss_oor", set()).clear()  # FlashInfer warns once per shape and process
+    misses = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: misses.extend([record.getMessage()] * ("No tuned config" in record.getMessage()))
+    logger.addHandler(handler)
+    try:
+        experts.apply(dispatched, prepared, workspace)
+        torch.cuda.synchronize()
+    finally:
+        logger.removeHandler(handler)
+    assert not misses, misses[0][:500]
