@@ -20,6 +20,9 @@ benchmarks/results/ncu_bf16_ws_mixtral_m1024_nvidia-h200.txt with the first of t
         python3 benchmarks/kernel_breakdown.py --preset deepseek-v3-ep8-slice --quant fp8_block --tokens 1024 --ncu
     ncu --profile-from-start off --section WarpStateStats --section SourceCounters --page source \
         --print-source sass --csv -k regex:fp8_ws --launch-count 1 python3 benchmarks/kernel_breakdown.py ... --ncu
+
+``benchmarks/ncu_summary.py`` turns ``ncu --csv --page details`` output into one short table per launch (its
+docstring has the command, with the warp-stall metrics).
 """
 
 from __future__ import annotations
