@@ -102,3 +102,27 @@ def test_tune_times_the_tma_a_path_gather_then_both_gemms_by_tma():
     y = second[tma_a][0].args[3]
     want = grouped_gemm_reference(inter_sorted[r], case.weights.w2.data, None, e, None)
     torch.testing.assert_close(y[s].float(), want, atol=5e-3, rtol=5e-3)
+
+
+def test_time_configs_takes_turns_and_keeps_each_configs_median(monkeypatch):
+    """`tune.time_configs` times the configs in turns (A, B, A, B, ...), each turn with only that config in the
+    table, and returns each config's median round in the configs' order."""
+    first, second = LaunchConfig(16, TileConfig(32, 64), TileConfig(32, 64)), LaunchConfig(32, TileConfig(64, 64),
+                                                                                           TileConfig(64, 64))
+    turns, us = [], {first: iter([5.0, 1.0, 3.0]), second: iter([2.0, 9.0, 4.0])}
+
+    def calls(cls, problem, weights, inputs, device, *, experts, prepared):
+        ((m, config),) = prepared.configs.configs  # the table holds the timed config alone, at the case's M
+        assert m == 7
+        return config
+
+    def timed(config, graphs):
+        turns.append(config)
+        return next(us[config])
+
+    monkeypatch.setattr(tune, "backend_calls", calls)
+    monkeypatch.setattr(tune, "time_calls", timed)
+    weights = dataclasses.make_dataclass("W", ["configs"])(tune.ConfigTable(None))
+    case = tune.TuneCase(problem=None, experts=None, weights=weights, inputs=[(torch.zeros(7, 4), None)])
+    assert tune.time_configs(case, [first, second], rounds=3) == [3.0, 4.0]
+    assert turns == [first, second] * 3

@@ -31,7 +31,7 @@ import argparse
 import importlib.util
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 
 import torch
@@ -99,7 +99,7 @@ def time_calls(calls: list, graphs: bool, budget_ms: float = 300.0) -> float:
     return graph_timer(calls, graphs, budget_ms)()
 
 
-def time_in_turns(timers: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+def time_in_turns(timers: dict[Hashable, Callable[[], float]], rounds: int) -> dict[Hashable, list[float]]:
     """Each timer's microseconds over ``rounds`` rounds, the timers taking turns within a round (A, B, A, B, ...):
     a drift of the GPU's clocks during the cell (its power cap, say) reaches every backend alike instead of the
     one timed last."""

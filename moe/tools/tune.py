@@ -45,7 +45,7 @@ from moe.experts._triton.weights import SCALE_WORD_FORMATS
 from moe.quant import QuantFormat, QuantScheme
 from moe.quant.scheme import SCHEME_NAMES
 from moe.registry import get_experts
-from moe.tools.bench import backend_calls, build_weights, make_inputs, time_calls
+from moe.tools.bench import backend_calls, build_weights, make_inputs, time_calls, time_in_turns
 from moe.tools.cli_args import comma_separated, int_at_least, one_of
 from moe.workspace import WorkspaceManager
 from moe.progress import Progress
@@ -350,18 +350,21 @@ def tile_pairs(times1: dict, times2: dict) -> list[tuple[float, TileConfig, Tile
 
 def time_configs(case: TuneCase, configs: list[LaunchConfig], rounds: int = 3) -> list[float]:
     """Median microseconds of the whole experts stage (alignment, both GEMMs, combine) under each
-    config, timed like ``python -m moe bench``; the configs take turns, ``rounds`` times, so a clock
-    drift during the run hits them alike."""
+    config, timed like ``python -m moe bench``; the configs take turns, ``rounds`` times (`time_in_turns`), so a
+    clock drift during the run hits them alike."""
     tokens = case.inputs[0][0].shape[0]
     device = case.inputs[0][0].device
-    times: list[list[float]] = [[] for _ in configs]
-    for _ in range(rounds):
-        for i, config in enumerate(configs):
+
+    def timer(config: LaunchConfig):  # captured afresh on each turn: one config's graph allocated at a time
+        def timed() -> float:
             only = dataclasses.replace(case.weights, configs=ConfigTable(case.weights.configs.key, ((tokens, config),)))
             calls = backend_calls(TritonExperts, case.problem, None, case.inputs, device,
                                   experts=case.experts, prepared=only)
-            times[i].append(time_calls(calls, graphs=True))
-    return [statistics.median(t) for t in times]
+            return time_calls(calls, graphs=True)
+        return timed
+
+    times = time_in_turns({i: timer(config) for i, config in enumerate(configs)}, rounds)
+    return [statistics.median(times[i]) for i in range(len(configs))]
 
 
 MARGIN = 0.01
