@@ -24,7 +24,8 @@ from moe.prepare_finalize.flashinfer_a2a import FlashInferAllToAllPrepareFinaliz
 from moe.testing import TOLERANCES, regime_for, relative_error
 from tests.helpers import make_problem
 
-H100 = Platform(name="h100", device="cuda", capability=(9, 0), libraries=frozenset({"flashinfer"}))
+H100 = Platform(name="h100", device="cuda", capability=(9, 0), libraries=frozenset({"flashinfer"}),
+                features=frozenset({"flashinfer.moe_alltoall"}))
 EP2 = dataclasses.replace(make_problem(num_experts=8, top_k=2, max_tokens=16), parallel=ParallelConfig(2, 0))
 
 
@@ -34,9 +35,47 @@ def test_check_declares_cuda_flashinfer_and_expert_parallelism():
     assert cls.check(EP2, H100) == []
     assert cls.check(EP2, H100.with_libraries(remove=("flashinfer",))) == [
         "needs library 'flashinfer', which is not installed: pip install 'moe[flashinfer]'"]
-    assert cls.check(EP2, Platform.cpu().with_libraries(add=("flashinfer",))) == [
+    assert cls.check(EP2, Platform.preset("cpu").with_libraries(add=("flashinfer",))) == [
         "runs on CUDA GPUs of one host joined by NVLink, not cpu"]
     assert cls.check(dataclasses.replace(EP2, parallel=ParallelConfig()), H100) == ["single rank (ep_size=1): use local"]
+
+
+def test_a_flashinfer_without_moe_alltoall_is_refused_and_the_plan_takes_another_transport():
+    """FlashInfer 0.7.4 has no MoeAlltoAll: the platform's probe reports the feature missing, and the
+    transport is refused naming it, instead of failing when a layer is built."""
+    from moe.oracle import plan
+
+    refusal = "the installed flashinfer 0.7.4 lacks moe_alltoall"
+    without = dataclasses.replace(H100, features=frozenset(), versions=(("flashinfer", "0.7.4"),))
+    assert FlashInferAllToAllPrepareFinalize.check(EP2, without) == [refusal]
+    h200 = Platform.preset("h200")
+    assert h200.has_feature("flashinfer.moe_alltoall")  # what a simulated platform assumes (0.7.2.post1)
+    versions = tuple((lib, "0.7.4" if lib == "flashinfer" else v) for lib, v in h200.versions)
+    h200_074 = dataclasses.replace(h200, features=h200.features - {"flashinfer.moe_alltoall"}, versions=versions)
+    pairs = {b.chosen.pair.prepare_finalize for b in plan(EP2, h200_074).buckets}
+    assert "flashinfer_a2a" not in pairs and pairs <= {"all_to_all", "all_to_all_batched"}
+    assert refusal in plan(EP2, h200_074).explain()
+
+
+def test_the_probe_reads_moe_alltoall_from_the_package_source(tmp_path):
+    """flashinfer.comm imports cuda-python, so the probe reads the file instead of importing it."""
+    from moe.experts._flashinfer.library import source_features
+
+    assert source_features(tmp_path) == frozenset()  # no comm/trtllm_moe_alltoall.py (0.7.4)
+    (tmp_path / "comm").mkdir()
+    module = tmp_path / "comm" / "trtllm_moe_alltoall.py"
+    module.write_text("def moe_a2a_get_workspace_size_per_rank(): ...\n")
+    assert source_features(tmp_path) == frozenset()  # the file without the class
+    module.write_text("class MoeAlltoAll:\n    def dispatch(self): ...\n")
+    assert source_features(tmp_path) == {"moe_alltoall"}
+
+
+def test_the_probe_agrees_with_the_installed_flashinfer():
+    from moe.experts._flashinfer.library import flashinfer_moe_features
+
+    module = _flashinfer_file(_A2A_MODULE)
+    has_class = module.is_file() and "class MoeAlltoAll" in module.read_text()
+    assert ("moe_alltoall" in flashinfer_moe_features()) == has_class
 
 
 def test_check_accepts_only_the_contiguous_placement():
@@ -89,6 +128,18 @@ def _flashinfer_file(relative: str) -> Path:
     return Path(spec.origin).parent / relative
 
 
+_A2A_MODULE = "comm/trtllm_moe_alltoall.py"
+
+
+def _skip_without_moe_alltoall():
+    """Where the installed FlashInfer has no MoeAlltoAll (0.7.4) there is no call to check: the transport is
+    refused (test_a_flashinfer_without_moe_alltoall_is_refused_...). The Makefile's pin has it."""
+    from moe.experts._flashinfer.library import flashinfer_moe_features
+
+    if "moe_alltoall" not in flashinfer_moe_features():
+        pytest.skip("the installed flashinfer has no MoeAlltoAll; flashinfer_a2a is refused there")
+
+
 def _parameters(path: Path, qualname: str) -> set[str]:
     tree = ast.parse(path.read_text())
     scope: list = tree.body
@@ -100,22 +151,26 @@ def _parameters(path: Path, qualname: str) -> set[str]:
 
 
 @pytest.mark.parametrize("relative,qualname,used", [
-    ("comm/trtllm_moe_alltoall.py", "MoeAlltoAll.__init__",
+    (_A2A_MODULE, "MoeAlltoAll.__init__",
      {"mapping", "max_num_tokens", "top_k", "num_experts", "workspace_size_per_rank", "mnnvl_config"}),
-    ("comm/trtllm_moe_alltoall.py", "MoeAlltoAll.dispatch",
+    (_A2A_MODULE, "MoeAlltoAll.dispatch",
      {"token_selected_experts", "input_payloads", "runtime_max_tokens_per_rank", "invalid_token_expert_id",
       "expert_id_payload_index"}),
-    ("comm/trtllm_moe_alltoall.py", "MoeAlltoAll.combine", {"payload", "runtime_max_tokens_per_rank"}),
-    ("comm/trtllm_moe_alltoall.py", "moe_a2a_get_workspace_size_per_rank",
+    (_A2A_MODULE, "MoeAlltoAll.combine", {"payload", "runtime_max_tokens_per_rank"}),
+    (_A2A_MODULE, "moe_a2a_get_workspace_size_per_rank",
      {"ep_size", "max_num_tokens", "total_dispatch_payload_size_per_token", "combine_payload_size_per_token"}),
     ("comm/mapping.py", "Mapping.__init__", {"world_size", "rank", "gpus_per_node", "tp_size", "moe_ep_size"}),
     ("comm/comm_backend.py", "TorchDistBackend.__init__", {"group"}),
 ])
 def test_calls_match_the_installed_flashinfer(relative, qualname, used):
-    assert used <= _parameters(_flashinfer_file(relative), qualname)
+    path = _flashinfer_file(relative)
+    if relative == _A2A_MODULE:
+        _skip_without_moe_alltoall()
+    assert used <= _parameters(path, qualname)
 
 
 def test_imported_names_exist_in_the_installed_flashinfer():
+    _skip_without_moe_alltoall()
     exported = _flashinfer_file("comm/__init__.py").read_text()
     assert "MoeAlltoAll as MoeAlltoAll" in exported and "moe_a2a_get_workspace_size_per_rank" in exported
     mnnvl = _flashinfer_file("comm/mnnvl.py").read_text()

@@ -127,10 +127,11 @@ def test_median_ms_calls_warmup_then_reps_and_takes_the_median(monkeypatch):
 def test_backends_declare_their_libraries_and_the_platform_reads_them(monkeypatch):
     """FlashInfer's probe and what a preset assumes of it come from its backend's declaration
     (moe.registry.register_library), not from the platform module."""
-    from moe.experts._flashinfer.library import FEATURE_SOURCES
+    from moe.experts._flashinfer.library import FEATURE_SOURCES, FEATURES, SOURCE_FEATURES
 
     b200 = Platform.preset("b200")
-    assert b200.features_of("flashinfer") == frozenset(FEATURE_SOURCES)
+    assert FEATURES == set(FEATURE_SOURCES) | set(SOURCE_FEATURES) and "moe_alltoall" in FEATURES
+    assert b200.features_of("flashinfer") == FEATURES
     assert (b200.version_of("flashinfer"), b200.version_of("triton")) == ("0.7.2.post1", "3.6.0")
     monkeypatch.setattr(platform_module, "_DECLARED_LIBRARIES", dict(platform_module._DECLARED_LIBRARIES))
     somelib = LibrarySupport("somelib", probe=lambda: frozenset({"probed"}), assumed_features=frozenset({"fast"}),

@@ -57,6 +57,7 @@ class Transport:
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     runs_on: str = ""  # where it runs, in words, for the reason a device is refused (default: the devices)
     libraries: tuple[str, ...] = ()  # must be importable (Platform.libraries)
+    features: tuple[str, ...] = ()  # "<library>.<feature>" it calls, where that library is there (Platform.features)
     max_ranks: int | None = None  # the most ranks (ep_size) it can join
     max_top_k: int | None = None
     expert_map: bool = True  # False: experts placed contiguously only (rank = e // (E / ep_size))
@@ -225,6 +226,11 @@ def _transport_platform_reasons(transport: Transport, platform: Platform) -> lis
     for lib in transport.libraries:
         if not platform.has_library(lib):
             reasons.append(missing_library_reason(lib))
+    for feature in transport.features:
+        lib, short = feature.split(".", 1)
+        if platform.has_library(lib) and not platform.has_feature(feature):
+            version = platform.version_of(lib)
+            reasons.append(f"the installed {lib}{f' {version}' if version else ''} lacks {short}")
     return reasons
 
 

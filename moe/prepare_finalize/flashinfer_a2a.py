@@ -6,6 +6,9 @@ host) are exchanged through torch.distributed (`TorchDistBackend`) -- and moves 
 NVLink writes: no NCCL on the hot path, receive buffers of ``[ep_size, max_tokens_per_rank]`` rows.
 It creates no NVLink multicast object (FlashInfer's all-reduce and mixed-comm modules do; nothing
 here calls them); keep ``NCCL_NVLS_ENABLE=0``. flashinfer is imported only when an instance is built.
+FlashInfer 0.7.4 has no ``MoeAlltoAll`` (its expert-parallel all-to-alls moved to ``flashinfer.moe_ep``, a
+different API): the platform probe then reports the feature missing and ``check`` refuses this transport,
+saying so, and the oracle composes another.
 
 How this package's contracts meet the kernel's:
 
@@ -90,7 +93,8 @@ class FlashInferAllToAllPrepareFinalize(ExpertParallelPrepareFinalize[FlashInfer
     name = "flashinfer_a2a"
     transport = Transport(ActivationFormat.STANDARD, QUANTIZABLE, ranks=frozenset({Ranks.EXPERT_PARALLEL}),
                           devices=frozenset({"cuda"}), runs_on="CUDA GPUs of one host joined by NVLink",
-                          libraries=("flashinfer",), max_ranks=MAX_RANKS, max_top_k=MAX_TOP_K, expert_map=False)
+                          libraries=("flashinfer",), features=("flashinfer.moe_alltoall",), max_ranks=MAX_RANKS,
+                          max_top_k=MAX_TOP_K, expert_map=False)
     agrees_on_tokens = True  # every rank's M, all-reduced on the host before dispatch (`_agree_on_tokens`)
     captures_in_cuda_graph = True  # M agreed at capture; the kernel's completion flags live on the GPU
 
@@ -177,7 +181,8 @@ def _flashinfer_comm() -> SimpleNamespace:
         from flashinfer.comm.mnnvl import MnnvlConfig, TorchDistBackend
     except ImportError as error:
         raise UnsupportedError(
-            "flashinfer_a2a needs flashinfer >= 0.7.2 with cuda-python and nvidia-ml-py installed",
+            "flashinfer_a2a needs flashinfer.comm.MoeAlltoAll (as in flashinfer-python 0.7.2.post1; 0.7.4 has "
+            "none) with cuda-python and nvidia-ml-py installed",
             [f"import failed: {error}"],
         ) from error
     return SimpleNamespace(MoeAlltoAll=MoeAlltoAll, moe_a2a_get_workspace_size_per_rank=moe_a2a_get_workspace_size_per_rank,

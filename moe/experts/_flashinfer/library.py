@@ -1,7 +1,8 @@
 """FlashInfer as a lazily imported library: the import, the MoE feature probe, activation mapping.
 
 The feature probe answers "which FlashInfer MoE entry points does this installation have", without a
-GPU: it imports Python modules only (no JIT build, no kernel load). CuTe-DSL entry points need
+GPU: it imports Python modules only (no JIT build, no kernel load), or reads the source of those that
+need the CUDA stack to import (``SOURCE_FEATURES``). CuTe-DSL entry points need
 nvidia-cutlass-dsl (the ``cutlass`` module) on top; FlashInfer itself reports that with
 ``flashinfer.cute_dsl.is_cute_dsl_available()``.
 """
@@ -12,6 +13,7 @@ import contextlib
 import functools
 import importlib
 import importlib.util
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -44,6 +46,13 @@ FEATURE_SOURCES = {
     "silu_and_mul_scaled_nvfp4_experts_quantize": ("flashinfer", "silu_and_mul_scaled_nvfp4_experts_quantize"),
 }
 _NEEDS_CUTE_DSL = frozenset({"cute_dsl_moe_wrapper", "cute_dsl_bf16_moe_wrapper", "grouped_gemm_nt_masked"})
+# Features of modules that import cuda-python when imported (``flashinfer.comm``), which a machine without the
+# CUDA stack lacks: found by reading the installed package's source instead -- (file, the definition in it).
+# FlashInfer 0.7.4 has no MoeAlltoAll (its expert-parallel all-to-alls moved to ``flashinfer.moe_ep``).
+SOURCE_FEATURES = {
+    "moe_alltoall": ("comm/trtllm_moe_alltoall.py", "class MoeAlltoAll"),
+}
+FEATURES = frozenset(FEATURE_SOURCES) | frozenset(SOURCE_FEATURES)  # every feature the probe can report
 
 
 def flashinfer_module(name: str = "flashinfer.fused_moe") -> Any:
@@ -64,13 +73,24 @@ def _cute_dsl_available() -> bool:
     return bool(availability.is_cute_dsl_available())
 
 
+def source_features(package: Path) -> frozenset[str]:
+    """The names of ``SOURCE_FEATURES`` whose definition stands in the flashinfer package at ``package``."""
+    found = set()
+    for feature, (relative, definition) in SOURCE_FEATURES.items():
+        path = package / relative
+        if path.is_file() and definition in path.read_text(errors="replace"):
+            found.add(feature)
+    return frozenset(found)
+
+
 @functools.lru_cache(maxsize=1)
 def flashinfer_moe_features() -> frozenset[str]:
-    """The names of ``FEATURE_SOURCES`` this installation provides; empty without flashinfer."""
-    if importlib.util.find_spec("flashinfer") is None:
+    """The names of ``FEATURES`` this installation provides; empty without flashinfer."""
+    spec = importlib.util.find_spec("flashinfer")
+    if spec is None:
         return frozenset()
     cute_dsl = _cute_dsl_available()
-    found = set()
+    found = set(source_features(Path(spec.origin).parent)) if spec.origin else set()
     for feature, (module_name, attribute) in FEATURE_SOURCES.items():
         if feature in _NEEDS_CUTE_DSL and not cute_dsl:
             continue
@@ -121,7 +141,7 @@ def autotuning(buckets: tuple[int, ...] | None = None) -> Iterator[None]:
 
 
 # How a platform learns about FlashInfer: the probe above, and what a simulated GPU assumes -- FlashInfer
-# 0.7.2 (the release the capability facts are for) provides every entry point of FEATURE_SOURCES,
-# CuTe-DSL ones included.
-register_library(LibrarySupport("flashinfer", probe=flashinfer_moe_features,
-                                assumed_features=frozenset(FEATURE_SOURCES), assumed_version="0.7.2.post1"))
+# 0.7.2 (the release the capability facts are for) provides every feature, CuTe-DSL entry points and
+# MoeAlltoAll included.
+register_library(LibrarySupport("flashinfer", probe=flashinfer_moe_features, assumed_features=FEATURES,
+                                assumed_version="0.7.2.post1"))
