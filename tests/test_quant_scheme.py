@@ -80,10 +80,19 @@ def test_act_quant_rejected_elsewhere():
 
 
 def test_unknown_name_lists_allowed_names():
-    with pytest.raises(MoEConfigError, match="name: unknown quantization scheme 'int4'") as info:
+    with pytest.raises(MoEConfigError, match="quant: unknown quantization scheme 'int4'") as info:
         QuantScheme.from_name("int4")
     for name in EXPECTED:
         assert name in str(info.value)
+    with pytest.raises(MoEConfigError, match=r"scheme: unknown quantization scheme \['bf16'\]"):
+        QuantScheme.from_name(["bf16"], argument="scheme")  # unhashable: the same error, not a TypeError
+
+
+def test_a_layer_built_with_an_unknown_scheme_names_its_quant_argument():
+    from moe import FusedMoE
+
+    with pytest.raises(MoEConfigError, match="^quant: unknown quantization scheme 'int4'"):
+        FusedMoE(num_experts=8, top_k=2, hidden_size=64, intermediate_size=128, quant="int4")
 
 
 def test_is_quantized():

@@ -177,6 +177,6 @@ def scheme_of(scheme: QuantScheme | str | tuple[QuantFormat, QuantFormat]) -> Qu
     """``scheme`` as a QuantScheme: a name ("fp8") or a (weight, activation) pair converted."""
     if isinstance(scheme, QuantScheme):
         return scheme
-    return QuantScheme.from_name(scheme) if isinstance(scheme, str) else QuantScheme(*scheme)
+    return QuantScheme.from_name(scheme, argument="scheme") if isinstance(scheme, str) else QuantScheme(*scheme)
 
 

@@ -146,11 +146,12 @@ class QuantScheme:
             )
 
     @classmethod
-    def from_name(cls, name: str, act_quant: str | None = None) -> QuantScheme:
-        """The scheme called ``name``; ``act_quant="mxfp8"`` turns "mxfp4" (W4A16) into W4A8."""
-        if name not in _NAMED_PAIRS:
+    def from_name(cls, name: str, act_quant: str | None = None, argument: str = "quant") -> QuantScheme:
+        """The scheme called ``name``; ``act_quant="mxfp8"`` turns "mxfp4" (W4A16) into W4A8. An unknown name
+        is refused naming ``argument``, the caller's name for it (``FusedMoE(quant=...)``)."""
+        if not isinstance(name, str) or name not in _NAMED_PAIRS:
             raise MoEConfigError(
-                f"name: unknown quantization scheme {name!r}; "
+                f"{argument}: unknown quantization scheme {name!r}; "
                 f"choose one of {', '.join(SCHEME_NAMES)}"
             )
         if act_quant is not None:
