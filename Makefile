@@ -32,7 +32,7 @@ $(BASE):
 # Triton kernels run on CPU under TRITON_INTERPRET=1; the example plugin tests the entry-point group;
 # transformers builds the tiny random models of the integration tests (no downloads).
 $(TESTS): $(BASE)
-	$(PIP) -e '.[test]' "triton==3.9.0" matplotlib "transformers==5.24.0"
+	$(PIP) -e '.[test]' "triton==3.9.0" matplotlib "transformers==5.25.0"
 	$(PIP) --no-deps $(FLASHINFER)
 	$(PIP) -e examples/plugin_backend
 	$(COMPILE)

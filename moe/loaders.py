@@ -51,6 +51,11 @@ stores its weight as ``[out, in]``; keys below follow ``prefix``):
     [E, 2I]`` (``up_proj_bias``) and ``experts.down_proj_bias [E, H]``. This is the canonical layout.
 ``transformers_fused_transposed`` -- the transposed, interleaved in-memory form (GPT-OSS's
     ``is_transposed=True, is_concatenated=False``): the ``gpt_oss`` bf16 form, biases optional.
+``transformers_transposed`` -- the transposed in-memory form without interleaving (``is_transposed=True``,
+    concatenated or without a gate), experts computed ``x @ W``: ``experts.gate_up_proj [E, H, 2I]`` columns
+    ``[gate | up]`` (OpenAI's privacy filter) or ``experts.up_proj [E, H, I]`` for non-gated experts (Ergo);
+    ``experts.down_proj [E, I, H]``; optional ``experts.gate_up_proj_bias [E, 2I]`` (``up_proj_bias``) and
+    ``experts.down_proj_bias [E, H]``.
 """
 
 from __future__ import annotations
@@ -65,7 +70,8 @@ from moe.quant import QuantFormat, QuantizedTensor, QuantScheme
 from moe.quant.mx import MX_BLOCK  # 32 elements (16 bytes of e2m1) per e8m0 scale
 from moe.weights import DENSE_DTYPES, ExpertWeights, check_finite, resolve_quant
 
-LAYOUTS = ("qwen3", "deepseek", "mixtral", "gpt_oss", "nemotron_h", "transformers_fused", "transformers_fused_transposed")
+LAYOUTS = ("qwen3", "deepseek", "mixtral", "gpt_oss", "nemotron_h", "transformers_fused",
+           "transformers_fused_transposed", "transformers_transposed")
 
 # layout -> checkpoint module names of (gate, up, down) under experts.{e}.; gate None: non-gated experts
 _PER_EXPERT_NAMES = {
@@ -121,6 +127,8 @@ def load_experts(
         return _load_fused(checkpoint, num_experts, dtype, sizes)
     if layout == "transformers_fused_transposed":
         return _load_gpt_oss_dense(checkpoint, num_experts, dtype, sizes)
+    if layout == "transformers_transposed":
+        return _load_fused(checkpoint, num_experts, dtype, sizes, transposed=True)
     return _load_per_expert(checkpoint, num_experts, dtype, sizes)
 
 
@@ -148,7 +156,8 @@ def to_layout(weights: ExpertWeights, layout: str, *, dtype: torch.dtype) -> dic
     """Unquantized canonical ``weights`` as ``layout`` stores them (keys without a prefix), in ``dtype``:
     the inverse of `load_experts` for the in-memory transformers layouts, which ``moe.integrations.transformers``
     uses to give a module its parameters back. Other layouts raise `MoEConfigError`."""
-    writers = {"transformers_fused": _fused_tensors, "transformers_fused_transposed": _fused_transposed_tensors}
+    writers = {"transformers_fused": _fused_tensors, "transformers_fused_transposed": _fused_transposed_tensors,
+               "transformers_transposed": _transposed_tensors}
     if layout not in writers:
         raise MoEConfigError(f"layout: to_layout writes {tuple(writers)} (got {layout!r})")
     if weights.weight_format is not QuantFormat.NONE:
@@ -161,6 +170,11 @@ def _fused_tensors(weights: ExpertWeights) -> dict[str, torch.Tensor | None]:
     first = "gate_up_proj" if weights.w13_rows == 2 * weights.intermediate_size else "up_proj"
     return {f"experts.{first}": weights.w13.data, "experts.down_proj": weights.w2.data,
             f"experts.{first}_bias": weights.b13, "experts.down_proj_bias": weights.b2}
+
+
+def _transposed_tensors(weights: ExpertWeights) -> dict[str, torch.Tensor | None]:
+    return {key: value.transpose(1, 2).contiguous() if key.endswith("proj") and value is not None else value
+            for key, value in _fused_tensors(weights).items()}
 
 
 def _fused_transposed_tensors(weights: ExpertWeights) -> dict[str, torch.Tensor | None]:
@@ -275,19 +289,30 @@ def _load_per_expert(
     return ExpertWeights.from_dense(torch.stack(w13), torch.stack(w2), dtype=dtype)
 
 
-def _load_fused(checkpoint: _Checkpoint, num_experts: int, dtype: torch.dtype | None, sizes: _Sizes) -> ExpertWeights:
+def _load_fused(checkpoint: _Checkpoint, num_experts: int, dtype: torch.dtype | None, sizes: _Sizes,
+                transposed: bool = False) -> ExpertWeights:
     """transformers_fused: the canonical layout under transformers' names; contiguous tensors of the
-    requested dtype are used as they are (no copy)."""
+    requested dtype are used as they are (no copy). ``transposed`` (transformers_transposed): the same
+    tensors stored ``x @ W``, transposed back (a copy)."""
     gated = checkpoint.has("experts.gate_up_proj") or not checkpoint.has("experts.up_proj")
     first = "experts.gate_up_proj" if gated else "experts.up_proj"
     rows = sizes.gate_up_rows if gated else sizes.inter
-    w13 = checkpoint.get(first, "[E, 2I, H]" if gated else "[E, I, H]", (num_experts, rows, sizes.hidden))
+    r = "2I" if gated else "I"
+
+    def get(key: str, out_dims: str, in_dims: str, out_size, in_size) -> torch.Tensor:
+        if not transposed:
+            return checkpoint.get(key, f"[E, {out_dims}, {in_dims}]", (num_experts, out_size, in_size))
+        return checkpoint.get(key, f"[E, {in_dims}, {out_dims}]", (num_experts, in_size, out_size)).transpose(1, 2)
+
+    w13 = get(first, r, "H", rows, sizes.hidden)
     _, rows, hidden = w13.shape
     if gated:
         _check_even_rows(checkpoint, first, rows, multiple=1)
-    w2 = checkpoint.get("experts.down_proj", "[E, H, I]", (num_experts, hidden, rows // 2 if gated else rows))
+    w2 = get("experts.down_proj", "H", "I", hidden, rows // 2 if gated else rows)
     b13 = _optional(checkpoint, first + "_bias", "[E, R]", (num_experts, rows))
     b2 = _optional(checkpoint, "experts.down_proj_bias", "[E, H]", (num_experts, hidden))
+    if transposed:
+        w13, w2 = w13.contiguous(), w2.contiguous()
     return ExpertWeights.from_dense(w13, w2, b13, b2, dtype=dtype)
 
 

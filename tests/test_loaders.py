@@ -245,7 +245,7 @@ def test_unknown_layout_lists_the_layouts():
     with pytest.raises(MoEConfigError, match=message):
         load_experts({}, "llama4", num_experts=E)
     assert LAYOUTS == ("qwen3", "deepseek", "mixtral", "gpt_oss", "nemotron_h", "transformers_fused",
-                       "transformers_fused_transposed")
+                       "transformers_fused_transposed", "transformers_transposed")
 
 
 @pytest.mark.parametrize("num_experts", [0, -1, 2.0, True])
@@ -453,6 +453,23 @@ def test_transformers_fused_transposed_deinterleaves_and_writes_back(with_bias):
     back = to_layout(weights, "transformers_fused_transposed", dtype=torch.bfloat16)
     assert back.keys() == tensors.keys()
     assert all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_transformers_transposed_reads_x_at_w_halves_and_writes_back(gated):
+    """OpenAI's privacy filter ([gate | up] halves) and Ergo (no gate): the canonical tensors, transposed."""
+    rows = 2 * I if gated else I
+    w13, w2, b13, b2 = randn(E, rows, H, seed=1), randn(E, H, I, seed=2), randn(E, rows, seed=3), randn(E, H, seed=4)
+    first = "experts.gate_up_proj" if gated else "experts.up_proj"
+    tensors = {first: w13.transpose(1, 2).contiguous(), "experts.down_proj": w2.transpose(1, 2).contiguous(),
+               first + "_bias": b13, "experts.down_proj_bias": b2}
+    weights = load_experts(tensors, "transformers_transposed", num_experts=E)
+    assert torch.equal(weights.w13.data, w13) and torch.equal(weights.w2.data, w2)  # no interleaving undone
+    assert torch.equal(weights.b13, b13) and torch.equal(weights.b2, b2)
+    back = to_layout(weights, "transformers_transposed", dtype=torch.float32)
+    assert back.keys() == tensors.keys() and all(torch.equal(back[k], tensors[k]) for k in tensors)
+    with pytest.raises(MoEConfigError, match=r"'experts.down_proj': expected shape \[E, I, H\]"):
+        load_experts({**tensors, "experts.down_proj": w2}, "transformers_transposed", num_experts=E)
 
 
 def test_to_layout_names_the_layouts_it_writes():

@@ -24,6 +24,7 @@ from moe.tolerance import TOLERANCES, relative_error  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
               max_position_embeddings=64, tie_word_embeddings=False)
+TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # for configs whose defaults lie beyond 64 tokens
 
 
 def config(family: str):
@@ -48,19 +49,47 @@ def config(family: str):
                                   mlp_layer_types=["moe", "moe"], o_groups=1, o_lora_rank=8, index_n_heads=2,
                                   index_head_dim=8, index_topk=4, qk_rope_head_dim=8, sliding_window=8,
                                   num_nextn_predict_layers=0, max_position_embeddings=64, hc_mult=1, swiglu_limit=0.5)
-    assert family == "nemotron_h"  # a latent MoE: the experts see moe_latent_size, not hidden_size
-    return t.NemotronHConfig(vocab_size=64, hidden_size=32, layers_block_type=["moe", "full_attention"],
-                             num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=48,
-                             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                             moe_shared_expert_intermediate_size=16, moe_latent_size=24, mtp_layers_block_type=[],
-                             num_nextn_predict_layers=0)
+    # a latent MoE: the experts see moe_latent_size, not hidden_size. Attention comes first, as a cache layer does in
+    # the real models (Mamba there): transformers 5.25's DynamicCache asks layer 0 for the cached length, and the
+    # placeholder it keeps for an MoE layer has none (AttributeError: 'DummyLayer' ... 'get_seq_length')
+    if family == "nemotron_h":
+        return t.NemotronHConfig(vocab_size=64, hidden_size=32, layers_block_type=["full_attention", "moe"],
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=48,
+                                 n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                 moe_shared_expert_intermediate_size=16, moe_latent_size=24, mtp_layers_block_type=[],
+                                 num_nextn_predict_layers=0)
+    if family == "minicpm5_moe":  # transformers 5.25's families from here on
+        return t.MiniCPM5MoeConfig(**COMMON, intermediate_size=48, head_dim=16, moe_intermediate_size=16,
+                                   num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1,
+                                   mlp_layer_types=["sparse", "sparse"])
+    if family == "kolibri1_1":
+        return t.Kolibri1_1Config(**COMMON, head_dim=16, moe_intermediate_size=16, num_experts_per_tok=2, num_experts=4,
+                                  shared_expert_intermediate_size=16, sliding_window=8, mlp_only_layers=[],
+                                  index_num_heads=1, index_head_dim=8, index_topk=4)
+    if family == "hy_v4":  # DeepSeek-V4's clamped SiLU under its own name; swiglu_limit small enough to bite
+        return t.HYV4Config(**COMMON, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=4,
+                            num_experts_per_tok=2, head_dim=16, n_shared_experts=1, kv_lora_rank=8, q_lora_rank=8,
+                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
+                            mlp_layer_types=["sparse", "sparse"], swiglu_limit=0.5, **TOKENS)
+    # non-gated relu2 experts stored x @ W (up_proj [E, H, I]); its ErgoExperts calls them with one route per row
+    # (k = 1, weight 1) and normalizes each route's output with its expert's own RMSNorm before the weighted sum
+    assert family == "ergo"
+    return t.ErgoConfig(**{k: v for k, v in COMMON.items() if k != "tie_word_embeddings"}, num_dense_blocks=0,
+                        first_dense_intermediate_size=48, moe_intermediate_size=16, shared_intermediate_size=16,
+                        num_experts=4, num_experts_per_tok=2, sliding_window=8)
 
 
-FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "deepseek_v4", "nemotron_h")
-# what save_pretrained writes for layer 0's experts: (moe.loaders layout, key prefix)
+FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "deepseek_v4", "nemotron_h", "minicpm5_moe",
+            "kolibri1_1", "hy_v4", "ergo")
+# held x @ W in memory, in these moe.loaders layouts: moe converts them, and releases the module's parameters
+TRANSPOSED = {"gpt_oss": "transformers_fused_transposed", "ergo": "transformers_transposed"}
+# what save_pretrained writes for layer 0's experts: (moe.loaders layout, key prefix). Ergo's checkpoint keeps its
+# experts' tensors beside the router's (layers.0.feed_forward.up_proj), a layout moe.loaders does not read.
 SAVED = {"qwen3_moe": ("qwen3", "model.layers.0.mlp."), "mixtral": ("mixtral", "model.layers.0.block_sparse_moe."),
          "gpt_oss": ("gpt_oss", "model.layers.0.mlp."), "deepseek_v3": ("deepseek", "model.layers.0.mlp."),
-         "deepseek_v4": ("mixtral", "model.layers.0.ffn."), "nemotron_h": ("nemotron_h", "backbone.layers.0.mixer.")}
+         "deepseek_v4": ("mixtral", "model.layers.0.ffn."), "nemotron_h": ("nemotron_h", "backbone.layers.1.mixer."),
+         "minicpm5_moe": ("qwen3", "model.layers.0.mlp."), "kolibri1_1": ("qwen3", "model.layers.0.mlp."),
+         "hy_v4": ("transformers_fused", "model.layers.0.mlp."), "ergo": None}
 
 
 def tiny_model(family: str, dtype=torch.float32, seed: int = 0):
@@ -133,7 +162,7 @@ def test_memory_stays_within_five_percent_of_eager(family):
     patched = moe_hf.memory_bytes(model)
     print(f"{family}: eager {eager} B, patched {patched['model']} + {patched['moe']} B (+ workspace {patched['workspace']} B)")
     assert patched["model"] + patched["moe"] <= 1.05 * eager
-    in_place = family != "gpt_oss"  # only GPT-OSS's transposed, interleaved layout needs a converted copy
+    in_place = family not in TRANSPOSED  # only the transposed layouts need a converted copy
     assert (patched["model"] == eager) is in_place
 
 
@@ -166,6 +195,87 @@ def test_unknown_activation_falls_back_with_one_warning_per_module():
     got, caught = fallback_warnings(model, ids)
     assert caught == []  # use_moe warned already; forwards do not warn again
     assert relative_error(got, expected) <= 1e-6
+
+
+def test_a_subclass_calling_the_experts_through_super_is_served_and_falls_back_without_recursion():
+    """Ergo's ErgoExperts overrides forward and calls the decorated projections through super(): moe serves
+    that call, and where it falls back it runs the projections as written, not the override, which would
+    call moe again (it recursed without end before)."""
+    model = tiny_model("ergo")
+    ids = prompt()
+    _, module = experts_modules(model)[0]
+    assert type(module).forward is not moe_hf._own_forward(module)
+    assert moe_hf._own_forward(module).__qualname__ == "ErgoExpertProjections.forward"
+    moe_hf.use_moe(model)
+    moe_logits(model, ids)
+    layers = [m.__dict__["_moe_binding"].layer for _, m in experts_modules(model)]
+    assert all(layer is not None and layer.problem.top_k == 1 for layer in layers)  # one route per row
+    model = tiny_model("ergo")
+    for _, module in experts_modules(model):
+        module.act_fn = torch.nn.GELU()  # non-gated GELU: not one moe computes
+    expected = eager_logits(model, ids)
+    report = moe_hf.use_moe(model)
+    assert all(served.startswith("fallback: its non-gated activation GELU") for served in report.values()), report
+    got, caught = fallback_warnings(model, ids)
+    assert caught == [] and relative_error(got, expected) <= 1e-6
+
+
+def _token_classifier(limit: float):
+    """OpenAI's privacy filter: a token classifier whose experts are GPT-OSS's, stored x @ W with [gate | up] halves."""
+    config = transformers.OpenAIPrivacyFilterConfig(**COMMON, intermediate_size=16, num_local_experts=4,
+                                                    num_experts_per_tok=2, head_dim=16, sliding_window=8,
+                                                    swiglu_limit=limit, **TOKENS)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForTokenClassification.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "experts" in name:
+                param.normal_(0, 0.5)
+    return model
+
+
+def test_gpt_oss_gates_on_concatenated_halves_are_served_with_their_clamp():
+    model = _token_classifier(limit=0.5)  # small enough that the clamp bites
+    _, module = experts_modules(model)[0]
+    spec = moe_hf._read(module)
+    assert spec.layout == "transformers_transposed" and spec.activation == moe.Activation.parse(
+        "swiglu_oai", alpha=module.alpha, beta=1.0, limit=0.5)
+    ids = prompt()
+    expected = eager_logits(model, ids)
+    assert all("fallback" not in served for served in moe_hf.use_moe(model).values())
+    assert relative_error(moe_logits(model, ids), expected) <= 1e-4
+    unclamped = _token_classifier(limit=1e4)
+    moe_hf.use_moe(unclamped)
+    assert relative_error(moe_logits(unclamped, ids), expected) > 1e-2  # the limit changed the result
+
+
+def test_a_gate_clamped_after_its_activation_falls_back_and_one_without_a_limit_is_served():
+    """Ling's (bailing_hybrid) experts clamp silu(gate) at the limit, after the activation."""
+    def tiny(limits):
+        config = transformers.BailingHybridConfig(**COMMON, intermediate_size=48, moe_intermediate_size=16,
+                                                  num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                                                  n_shared_experts=1, first_k_dense_replace=0, swiglu_limits=limits,
+                                                  **TOKENS)
+        return experts_modules(transformers.AutoModelForCausalLM.from_config(config))[0][1]
+
+    assert moe_hf._read(tiny([0, 0])).activation == moe.Activation.parse("silu")  # 0: no limit
+    assert moe_hf._read(tiny([0.5, 0.5])) == ("its gate clamps silu(gate) at limit=0.5 after the activation, which "
+                                              "moe does not")
+
+
+@pytest.mark.parametrize("family", TRANSPOSED)
+def test_a_released_module_refuses_another_implementation_until_unuse_moe(family):
+    """Released parameters are meta placeholders; Ergo's own forward computed with them silently (a CPU
+    tensor times a meta one is a CPU tensor, and an index_put of a meta value writes nothing)."""
+    model = tiny_model(family)
+    ids = prompt()
+    expected = eager_logits(model, ids)
+    moe_hf.use_moe(model)
+    assert relative_error(moe_logits(model, ids), expected) <= 1e-4
+    with pytest.raises(moe.MoEConfigError, match="cannot run on another implementation; call unuse_moe"):
+        eager_logits(model, ids)
+    moe_hf.unuse_moe(model, "eager")
+    assert relative_error(eager_logits(model, ids), expected) <= 1e-6
 
 
 def test_expert_parallel_module_falls_back_and_names_itself():
@@ -237,8 +347,8 @@ def test_released_parameters_come_back_through_state_dict_and_load_state_dict():
     state = model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in originals.items())
     ids = prompt()
-    with pytest.raises(RuntimeError, match="meta"):  # another implementation needs the parameters back first
-        eager_logits(model, ids)
+    with pytest.raises(moe.MoEConfigError, match=r"released to moe .* call unuse_moe\(model\) first"):
+        eager_logits(model, ids)  # another implementation needs the parameters back first
     model.load_state_dict(other.state_dict())  # real parameters again, then loaded; prepared at the next forward
     assert relative_error(moe_logits(model, ids), eager_logits(other, ids)) <= 1e-4
 
@@ -251,23 +361,25 @@ def test_save_pretrained_round_trips_through_the_loaders(family, tmp_path):
     in_memory = model.state_dict()
     moe_hf.unuse_moe(model, "eager")
     saved = safetensors_torch.load_file(tmp_path / "model.safetensors")
-    layout, prefix = SAVED[family]
     name, module = experts_modules(model)[0]
-    _check_loaded(module, saved, layout, prefix)
-    memory_layout = "transformers_fused_transposed" if family == "gpt_oss" else "transformers_fused"
-    _check_loaded(module, in_memory, memory_layout, name.removesuffix("experts"))
+    top_k = 1 if family == "ergo" else 2  # Ergo's projections take one route per row, its weights unused (1)
+    if SAVED[family] is not None:
+        layout, prefix = SAVED[family]
+        _check_loaded(module, saved, layout, prefix, top_k)
+    memory_layout = TRANSPOSED.get(family, "transformers_fused")
+    _check_loaded(module, in_memory, memory_layout, name.removesuffix("experts"), top_k)
 
 
-def _check_loaded(module, tensors, layout, prefix):
+def _check_loaded(module, tensors, layout, prefix, top_k):
     """A FusedMoE loaded from ``tensors`` computes what the module's own eager forward does."""
     weights = load_experts(tensors, layout, num_experts=4, prefix=prefix)
     activation = moe_hf._read(module).activation
-    layer = moe.FusedMoE(4, 2, weights.hidden_size, weights.intermediate_size, activation=activation,
+    layer = moe.FusedMoE(4, top_k, weights.hidden_size, weights.intermediate_size, activation=activation,
                          quant="fp32", dtype=torch.float32, has_bias=weights.has_bias)
     layer.load_checkpoint(tensors, layout, prefix=prefix)
     x = torch.randn(6, weights.hidden_size, generator=torch.Generator().manual_seed(2))
-    ids = torch.stack([torch.randperm(4, generator=torch.Generator().manual_seed(t))[:2] for t in range(6)])
-    topk_weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(3))
+    ids = torch.stack([torch.randperm(4, generator=torch.Generator().manual_seed(t))[:top_k] for t in range(6)])
+    topk_weights = torch.rand(6, top_k, generator=torch.Generator().manual_seed(3)) if top_k > 1 else torch.ones(6, 1)
     with torch.no_grad():
         expected = moe_hf._own_forward(module)(module, x, ids, topk_weights)
     assert relative_error(layer(x, topk_ids=ids, topk_weights=topk_weights), expected) <= 1e-5

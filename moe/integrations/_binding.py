@@ -11,13 +11,14 @@ released parameter (below) raises `MoEConfigError`: its values live in the layer
 
 Memory: where the module stores the canonical layout (``transformers_fused``) and the backend keeps it
 (torch_grouped, triton, fp32 reference), the layer uses the module's tensors in place. Where the module's
-layout differs (``transformers_fused_transposed``, GPT-OSS), the layer holds a converted copy and the
+layout differs (the transposed ones: GPT-OSS, Ergo), the layer holds a converted copy and the
 module's parameters are released: replaced by ``meta`` placeholders of the same shape and dtype.
 ``state_dict`` (so ``save_pretrained``) writes them back from the layer's weights, ``load_state_dict``
 restores real parameters before loading (the next forward prepares again), and replacing a parameter
-restores the others. A released module cannot run on another implementation, nor be moved or cast
-(``model.to``): ``unuse_moe(model)`` gives the parameters back first. Where the chosen backend converts the weights itself (FlashInfer), the module keeps its
-parameters and the weights are held twice.
+restores the others. A released module cannot run on another implementation (its forward pre-hook raises:
+some ops would compute with the placeholders silently), nor be moved or cast (``model.to``):
+``unuse_moe(model)`` gives the parameters back first. Where the chosen backend converts the weights itself
+(FlashInfer), the module keeps its parameters and the weights are held twice.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class ExpertsFallbackWarning(UserWarning):
 class ModuleSpec:
     """What an experts module holds, as the integration read it."""
 
-    layout: str  # its parameters' layout in moe.loaders: transformers_fused or transformers_fused_transposed
+    layout: str  # its parameters' layout in moe.loaders: transformers_fused or one of the transposed two
     activation: Activation  # between the two GEMMs, with its parameters (GPT-OSS alpha/limit, ...)
     params: tuple[str, ...]  # the names of its expert parameters (gate_up_proj, down_proj, biases, ...)
 
@@ -75,8 +76,12 @@ Reader = Callable[[torch.nn.Module], "ModuleSpec | str"]  # a spec, or why the m
 class Binding:
     """One experts module and the `FusedMoE` serving it (None while it falls back)."""
 
-    def __init__(self, name: str, options: Options, read: Reader):
-        self.name, self.options, self._read = name, options, read
+    def __init__(self, name: str, options: Options, read: Reader,
+                 serving: Callable[[torch.nn.Module], bool] | None = None):
+        """``serving(module)``: whether a call of the module reaches this binding's layer now (the model still
+        runs this implementation). Given, a released module called otherwise raises instead of computing with
+        placeholders, which some ops do silently (a CPU tensor times a meta one is a CPU tensor)."""
+        self.name, self.options, self._read, self._serving = name, options, read, serving
         self.layer: FusedMoE | None = None
         self.spec: ModuleSpec | None = None
         self.reason: str | None = None  # why the module falls back, when it does
@@ -152,6 +157,16 @@ class Binding:
             # partials: torch marks a state_dict hook with an attribute, which a bound method cannot take
             self._hooks = [module.register_state_dict_post_hook(functools.partial(Binding._write_state, self)),
                            module.register_load_state_dict_pre_hook(functools.partial(Binding._before_load, self))]
+            if self._serving is not None:
+                self._hooks.append(module.register_forward_pre_hook(self._refuse_other_implementations))
+
+    def _refuse_other_implementations(self, module: torch.nn.Module, args) -> None:
+        released = [n for n, p in self._placeholders.items() if module._parameters.get(n) is p]
+        if released and not self._serving(module):
+            raise MoEConfigError(
+                f"{self.name}: {released} were released to moe (their values live in the layer, converted), so it "
+                "cannot run on another implementation; call unuse_moe(model) first, which gives them back"
+            )
 
     def detach(self, module: torch.nn.Module) -> None:
         """Gives the module its released parameters back and removes this binding's hooks."""

@@ -12,10 +12,13 @@ The experts module hands over ``(hidden_states [M, H], top_k_index [M, k], top_k
 model's own router has chosen the experts, and the weights are used as given. What the module holds
 decides the layer: ``gate_up_proj [E, 2I, H]`` rows ``[gate; up]`` (Qwen3-MoE, Mixtral, DeepSeek-V3/V4),
 ``up_proj [E, I, H]`` without a gate (Nemotron-H, relu2; with a latent MoE, H is the latent size: the
-projections to and from it stay outside the experts), or GPT-OSS's transposed, interleaved
-``gate_up_proj [E, H, 2I]`` with biases. The activation comes from the module: ``act_fn`` (silu, gelu,
-relu2), GPT-OSS's clamped SwiGLU (its ``alpha`` and ``limit``), DeepSeek-V4's clamped SiLU (its
-``swiglu_limit``: ``swiglu_oai`` with alpha=1, beta=0).
+projections to and from it stay outside the experts), GPT-OSS's transposed, interleaved
+``gate_up_proj [E, H, 2I]`` with biases, or the transposed ``[gate | up]`` halves of OpenAI's privacy filter,
+or a transposed ``up_proj [E, H, I]`` without a gate (Ergo, whose experts module calls the decorated projections
+with one route per row and normalizes each route's output). The activation comes from the module: ``act_fn``
+(silu, gelu, relu2), or a gate function it knows (`_GATES`): GPT-OSS's and the privacy filter's clamped SwiGLU
+(their ``alpha`` and ``limit``), DeepSeek-V4's and HY-V4's clamped SiLU (``swiglu_oai`` with alpha=1, beta=0),
+Ling's without a limit.
 
 A module `moe` cannot serve -- expert parallel, a post-expert norm, quantized weights, an unknown
 activation or gate function, a layout it does not read, or a shape the oracle refuses -- runs on the
@@ -29,6 +32,7 @@ of a patched model (``fullgraph=True`` too) sees each layer as one ``moe::fused_
 from __future__ import annotations
 
 import weakref
+from typing import Callable
 
 import torch
 import transformers
@@ -81,7 +85,7 @@ def use_moe(model: torch.nn.Module, *, max_tokens: int = 1024, experts: str | No
     for name, module in model.named_modules():
         if not _is_experts(module):
             continue
-        binding = Binding(name, options, _read)
+        binding = Binding(name, options, _read, _serving)
         old = module.__dict__.get(_BINDING)
         if old is not None:
             old.detach(module)  # gives released parameters back before the new binding reads them
@@ -157,12 +161,37 @@ def _read(module: torch.nn.Module) -> ModuleSpec | str:
 
 def _layout(module: torch.nn.Module) -> str:
     """The module's parameter layout in moe.loaders, or a reason starting with "its "."""
-    transposed, concatenated = module.is_transposed, module.is_concatenated
-    if not transposed and concatenated:
+    transposed, concatenated = module.is_transposed, module.is_concatenated or not module.has_gate
+    if not transposed and concatenated:  # without a gate there is nothing to interleave
         return "transformers_fused"
-    if transposed and not concatenated and module.has_gate:
-        return "transformers_fused_transposed"
+    if transposed:
+        return "transformers_transposed" if concatenated else "transformers_fused_transposed"
     return f"its layout (is_transposed={transposed}, is_concatenated={concatenated}) is not one moe reads"
+
+
+def _clamped(alpha, beta: float, limit) -> Activation | str:
+    """The gates that clamp GPT-OSS's way -- gate at most ``limit``, up within +-limit -- then return
+    ``(up + beta) * gate * sigmoid(alpha * gate)``: moe's swiglu_oai."""
+    if limit is None:
+        return "its clamped gate has no limit"
+    return Activation.parse("swiglu_oai", alpha=float(alpha), beta=beta, limit=float(limit))
+
+
+# The gate functions of transformers' experts modules that moe computes, by (model folder, qualified name): each
+# gives the module's Activation, or why not, from the module and its act_fn's name.
+_GATES: dict[tuple[str, str], Callable[[torch.nn.Module, str], Activation | str]] = {
+    ("gpt_oss", "GptOssExperts._apply_gate"): lambda m, act: _clamped(m.alpha, 1.0, m.limit),
+    # GPT-OSS's gate on [gate | up] halves instead of interleaved columns (the layout tells them apart)
+    ("openai_privacy_filter", "OpenAIPrivacyFilterExperts._apply_gate"): lambda m, act: _clamped(m.alpha, 1.0, m.limit),
+    # silu(clamped gate) * clamped up: alpha 1, beta 0
+    ("deepseek_v4", "DeepseekV4Experts._apply_gate"):
+        lambda m, act: _clamped(1.0, 0.0, m.limit) if act == "silu" else f"its clamped {act} gate is not silu",
+    ("hy_v4", "HYV4Experts._apply_gate"): lambda m, act: _clamped(1.0, 0.0, m.swiglu_limit),  # F.silu, not act_fn
+    # Ling clamps the gate after its activation, which moe does not compute; without a limit it is act(gate) * up
+    ("bailing_hybrid", "BailingHybridExperts._apply_gate"):
+        lambda m, act: (Activation.parse(act) if m.limit is None and act in ("silu", "gelu") else
+                        f"its gate clamps {act}(gate) at limit={m.limit} after the activation, which moe does not"),
+}
 
 
 def _activation(module: torch.nn.Module) -> Activation | str:
@@ -170,17 +199,16 @@ def _activation(module: torch.nn.Module) -> Activation | str:
     if not module.has_gate:
         return Activation.parse("relu2") if act == "relu2" else f"its non-gated activation {act} is not relu2"
     gate = type(module)._apply_gate
-    if gate is _default_apply_gate and act in ("silu", "gelu"):
-        return Activation.parse(act)
-    owner = gate.__qualname__
-    if gate.__module__.startswith("transformers.models.gpt_oss") and owner == "GptOssExperts._apply_gate":
-        return Activation.parse("swiglu_oai", alpha=module.alpha, beta=1.0, limit=module.limit)
-    if (gate.__module__.startswith("transformers.models.deepseek_v4") and owner == "DeepseekV4Experts._apply_gate"
-            and act == "silu"):  # clamp both halves at the limit, then silu(gate) * up
-        return Activation.parse("swiglu_oai", alpha=1.0, beta=0.0, limit=module.limit)
     if gate is _default_apply_gate:
+        if act in ("silu", "gelu"):
+            return Activation.parse(act)
         return f"its activation {act} is not one moe computes (silu, gelu gated; relu2 non-gated)"
-    return f"its gate function {owner} is not one moe knows"
+    parts = gate.__module__.split(".")  # transformers.models.<folder>.modeling_<folder>
+    known = _GATES.get((parts[2] if parts[:2] == ["transformers", "models"] and len(parts) > 2 else "",
+                        gate.__qualname__))
+    if known is None:
+        return f"its gate function {gate.__qualname__} is not one moe knows"
+    return known(module, act)
 
 
 def _act_name(act_fn: object) -> str:
@@ -196,6 +224,11 @@ def _is_experts(module: torch.nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("has_gate", "is_transposed", "is_concatenated", "_is_expert_parallel"))
 
 
+def _serving(module: torch.nn.Module) -> bool:
+    """The module's model still dispatches its experts to this implementation."""
+    return getattr(getattr(module, "config", None), "_experts_implementation", None) == IMPLEMENTATION
+
+
 def _lazy_binding(module: torch.nn.Module) -> Binding:
     """The binding of a module first met in a forward (the model was switched without use_moe), with the
     options its model's other layers share."""
@@ -207,14 +240,20 @@ def _lazy_binding(module: torch.nn.Module) -> Binding:
             weakref.finalize(config, _LAZY_OPTIONS.pop, key, None)
         options = _LAZY_OPTIONS[key]
     name = f"a {type(module).__name__} (use_moe(model) names it)"
-    binding = module.__dict__[_BINDING] = Binding(name, options, _read)
+    binding = module.__dict__[_BINDING] = Binding(name, options, _read, _serving)
     return binding
 
 
 def _own_forward(module: torch.nn.Module):
-    """The module class's forward as written (use_experts_implementation wraps it with functools.wraps)."""
-    forward = type(module).forward
-    return getattr(forward, "__wrapped__", forward)
+    """The forward use_experts_implementation wrapped (with functools.wraps), as written. It is the one of the
+    class the decorator wrapped, which need not be the module's own: a subclass may override forward and
+    call the wrapped one through super() (Ergo's ErgoExperts normalizes each route's output around it), and
+    falling back to that override would call back into this implementation without end."""
+    for cls in type(module).__mro__:
+        forward = cls.__dict__.get("forward")
+        if forward is not None and hasattr(forward, "__wrapped__"):
+            return forward.__wrapped__
+    return type(module).forward
 
 
 def _register() -> None:
