@@ -58,7 +58,7 @@ def config(family: str):
                                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                  moe_shared_expert_intermediate_size=16, moe_latent_size=24, mtp_layers_block_type=[],
                                  num_nextn_predict_layers=0)
-    if family == "minicpm5_moe":  # transformers 5.25's families from here on
+    if family == "minicpm5_moe":  # new in transformers 5.25, as Kolibri 1.1 and Ergo are
         return t.MiniCPM5MoeConfig(**COMMON, intermediate_size=48, head_dim=16, moe_intermediate_size=16,
                                    num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1,
                                    mlp_layer_types=["sparse", "sparse"])

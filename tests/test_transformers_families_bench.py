@@ -6,12 +6,14 @@ bad arguments are refused naming them."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import benchmark_script
 
 transformers = pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_served_families_match_eager_and_a_config_error_is_not_moes():
@@ -59,3 +61,16 @@ def test_a_family_moe_breaks_is_a_failure_and_sets_the_exit_status(monkeypatch, 
 def test_bad_arguments_are_refused_naming_them(argv, message, capsys):
     assert benchmark_script("transformers_families").main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_every_family_the_committed_run_served_is_still_served():
+    """The committed run (results/transformers_families_cpu.json) against this tree, for the transformers it ran on:
+    a family that stops being served, or starts failing, is a regression of the integration (about 10 s)."""
+    script = benchmark_script("transformers_families")
+    committed = json.loads((ROOT / "benchmarks/results/transformers_families_cpu.json").read_text())
+    if committed["transformers"] != transformers.__version__:
+        pytest.skip(f"the committed run is of transformers {committed['transformers']}")
+    served = [r["family"] for r in committed["results"] if r["status"] == "served"]
+    assert len(served) >= 40
+    now = {family: script.check(family) for family in served}
+    assert {f: (r.status, r.detail) for f, r in now.items() if r.status != "served"} == {}
