@@ -64,17 +64,24 @@ def families() -> list[str]:
 
 # tried in turn where the one before does not build or run eagerly (MLA wants as many KV heads as heads; some do not)
 VARIANTS = ({}, {"num_key_value_heads": 1})
+# what a family's own validators or layer lists need at the tiny size, on top of `TINY`
+FAMILY_FIELDS = {
+    "zaya": dict(num_experts_per_tok=1),  # "supports num_experts_per_tok=1 only"
+    "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_expand=2),
+    "kolibri1_1": dict(index_num_heads=1, index_head_dim=8, index_topk=4),
+    "lfm2_moe": dict(layer_types=["full_attention", "full_attention"], num_dense_layers=0),
+}
 
 
 def tiny_config(family: str, variant: dict | None = None):
-    """The family's config class (the one whose model_type is the family's), with `TINY`'s fields it takes
-    (``variant``'s instead where it names them)."""
+    """The family's config class (the one whose model_type is the family's), with the fields of `TINY`, then of
+    `FAMILY_FIELDS`, then of ``variant``, that it takes."""
     module = importlib.import_module(f"transformers.models.{family}.configuration_{family}")
     classes = [c for name, c in vars(module).items()
                if isinstance(c, type) and name.endswith("Config") and c.__module__ == module.__name__]
     cls = next((c for c in classes if getattr(c, "model_type", None) == family), classes[0])
     taken = inspect.signature(cls.__init__).parameters
-    return cls(**{k: v for k, v in {**TINY, **(variant or {})}.items() if k in taken})
+    return cls(**{k: v for k, v in {**TINY, **FAMILY_FIELDS.get(family, {}), **(variant or {})}.items() if k in taken})
 
 
 def _build(config):

@@ -5,6 +5,7 @@ benchmarks/make_measured_profile.py."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -46,8 +47,11 @@ def test_records_split_the_forward_into_dispatch_experts_and_combine(smoke_run):
     for r in rows:
         assert r["tokens_per_rank"] in (1, 4) and r["quant"] == "bf16" and r["preset"] == "deepseek-v3-scaled"
         assert min(r["ep_ms"], r["dispatch_ms"], r["experts_ms"], r["combine_ms"], r["single_gpu_ms"]) > 0
-        # phases of forwards, not cumulative times (each rank's maximum, from other runs than ep_ms: slack)
-        assert r["dispatch_ms"] + r["experts_ms"] + r["combine_ms"] < 3 * r["ep_ms"], r
+        # phases of forwards, not cumulative times, which would be the 20 timed forwards' sum (~20x ep_ms). The
+        # phases come from other forwards than ep_ms, wrapped, on two ranks sharing 2 cores with another pytest
+        # worker: a bound of 3x failed at 3.06x under that load (session 38), so the slack is half the count
+        reps = inspect.signature(_module("ep_all_to_all").PhaseTimer.medians).parameters["reps"].default
+        assert r["dispatch_ms"] + r["experts_ms"] + r["combine_ms"] < reps / 2 * r["ep_ms"], r
         assert r["relative_error"] <= 1e-2, r  # the sharded layer against one process holding every expert
 
 

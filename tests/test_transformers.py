@@ -71,6 +71,10 @@ def config(family: str):
                             num_experts_per_tok=2, head_dim=16, n_shared_experts=1, kv_lora_rank=8, q_lora_rank=8,
                             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
                             mlp_layer_types=["sparse", "sparse"], swiglu_limit=0.5, **TOKENS)
+    if family == "lfm2_moe":  # its act_fn is the function F.silu, not a module
+        return t.Lfm2MoeConfig(**{k: v for k, v in COMMON.items() if k != "tie_word_embeddings"}, intermediate_size=48,
+                               moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, num_dense_layers=0,
+                               layer_types=["full_attention", "full_attention"], **TOKENS)
     # non-gated relu2 experts stored x @ W (up_proj [E, H, I]); its ErgoExperts calls them with one route per row
     # (k = 1, weight 1) and normalizes each route's output with its expert's own RMSNorm before the weighted sum
     assert family == "ergo"
@@ -80,7 +84,7 @@ def config(family: str):
 
 
 FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "deepseek_v4", "nemotron_h", "minicpm5_moe",
-            "kolibri1_1", "hy_v4", "ergo")
+            "kolibri1_1", "hy_v4", "lfm2_moe", "ergo")
 # held x @ W in memory, in these moe.loaders layouts: moe converts them, and releases the module's parameters
 TRANSPOSED = {"gpt_oss": "transformers_fused_transposed", "ergo": "transformers_transposed"}
 # what save_pretrained writes for layer 0's experts: (moe.loaders layout, key prefix). Ergo's checkpoint keeps its
@@ -89,7 +93,8 @@ SAVED = {"qwen3_moe": ("qwen3", "model.layers.0.mlp."), "mixtral": ("mixtral", "
          "gpt_oss": ("gpt_oss", "model.layers.0.mlp."), "deepseek_v3": ("deepseek", "model.layers.0.mlp."),
          "deepseek_v4": ("mixtral", "model.layers.0.ffn."), "nemotron_h": ("nemotron_h", "backbone.layers.1.mixer."),
          "minicpm5_moe": ("qwen3", "model.layers.0.mlp."), "kolibri1_1": ("qwen3", "model.layers.0.mlp."),
-         "hy_v4": ("transformers_fused", "model.layers.0.mlp."), "ergo": None}
+         "hy_v4": ("transformers_fused", "model.layers.0.mlp."),
+         "lfm2_moe": ("mixtral", "model.layers.0.feed_forward."), "ergo": None}
 
 
 def tiny_model(family: str, dtype=torch.float32, seed: int = 0):
@@ -276,6 +281,15 @@ def test_a_released_module_refuses_another_implementation_until_unuse_moe(family
         eager_logits(model, ids)
     moe_hf.unuse_moe(model, "eager")
     assert relative_error(eager_logits(model, ids), expected) <= 1e-6
+
+
+def test_activation_functions_are_read_as_their_modules_are():
+    _, module = experts_modules(tiny_model("mixtral"))[0]
+    del module.act_fn  # a submodule here; LFM2-MoE's is a plain attribute
+    module.act_fn = torch.nn.functional.gelu  # the exact (erf) GELU, as GELUActivation
+    assert moe_hf._read(module).activation == moe.Activation.parse("gelu")
+    module.act_fn = torch.tanh
+    assert moe_hf._read(module) == "its activation tanh is not one moe computes (silu, gelu gated; relu2 non-gated)"
 
 
 def test_expert_parallel_module_falls_back_and_names_itself():

@@ -54,6 +54,8 @@ _BINDING = "_moe_binding"  # the attribute of an experts module that holds its B
 _LAZY_OPTIONS: dict[int, Options] = {}
 _ACTIVATIONS = ((SiLUActivation, "silu"), (torch.nn.SiLU, "silu"), (GELUActivation, "gelu"),
                 (ReLUSquaredActivation, "relu2"))
+# act_fn as a function rather than a module (LFM2-MoE's F.silu); F.gelu's default is the exact (erf) GELU
+_FUNCTIONS = ((torch.nn.functional.silu, "silu"), (torch.nn.functional.gelu, "gelu"))
 
 
 def moe_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -215,7 +217,10 @@ def _act_name(act_fn: object) -> str:
     for cls, name in _ACTIVATIONS:
         if type(act_fn) is cls:
             return name
-    return type(act_fn).__name__
+    for function, name in _FUNCTIONS:
+        if act_fn is function:
+            return name
+    return getattr(act_fn, "__name__", None) or type(act_fn).__name__  # a function by its name, a module by its class
 
 
 # --- plumbing -------------------------------------------------------------------------------------
