@@ -46,6 +46,19 @@ def missing_library_reason(library: str) -> str:
     return f"needs library {library!r}, which is not installed{fix}"
 
 
+def missing_features_reason(platform: "Platform", library: str, features) -> str | None:
+    """The reason a backend gives when the installed ``library`` lacks some of ``features`` (short names, as
+    `Platform.features_of` gives them), naming them and its version; None when it has them all, or when the
+    library is not installed (`missing_library_reason` says that)."""
+    if not platform.has_library(library):
+        return None
+    missing = [f for f in features if f not in platform.features_of(library)]
+    if not missing:
+        return None
+    version = platform.version_of(library)
+    return f"the installed {library}{f' {version}' if version else ''} lacks {', '.join(missing)}"
+
+
 @dataclass(frozen=True)
 class LibrarySupport:
     """What the backends that call ``library`` declare about it (through `moe.registry.register_library`).

@@ -321,6 +321,12 @@ def test_cutlass_bf16_runs_sm89_to_sm121(platform, expected):
     assert serves(CUTLASS, platform, "bf16", **GPT_OSS) is expected
 
 
+def test_a_mode_whose_entry_point_the_installed_flashinfer_lacks_is_refused_naming_it_and_the_version():
+    h200 = Platform.preset("h200")
+    without = dataclasses.replace(h200, features=h200.features - {"flashinfer.cutlass_fused_moe"})
+    assert CUTLASS.check(problem("bf16"), without) == ["the installed flashinfer 0.7.2.post1 lacks cutlass_fused_moe"]
+
+
 def test_cutlass_per_pair_architectures():
     assert serves(CUTLASS, "h100", "fp8_block") and not serves(CUTLASS, "b200", "fp8_block")
     assert not serves(CUTLASS, "h100", "fp8_block", hidden_size=2880, intermediate_size=2880)  # no padding

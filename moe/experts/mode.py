@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from moe.activation import ActivationKind
-from moe.platform import Platform
+from moe.platform import Platform, missing_features_reason
 from moe.problem import MoEProblem
 from moe.quant import QuantFormat, QuantScheme
 
@@ -142,10 +142,9 @@ class Mode:
             if arch not in self.archs and report(not union.capability_reasons(platform.capability)):
                 reasons.append(self.arch_reason.format(name=name, archs=self.archs, got=f"SM{arch}",
                                                        scheme=problem.quant.name))
-        if platform is not None and self.features and platform.has_library(self.library):
-            missing = [f for f in self.features if f not in platform.features_of(self.library)]
-            if missing:
-                reasons.append(f"the installed {self.library} lacks {', '.join(missing)}")
+        lacking = missing_features_reason(platform, self.library, self.features) if platform is not None else None
+        if lacking:
+            reasons.append(lacking)
         return reasons
 
     def _misaligned(self, problem: MoEProblem, name: str) -> list[str]:

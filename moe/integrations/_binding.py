@@ -160,9 +160,15 @@ class Binding:
             if self._serving is not None:
                 self._hooks.append(module.register_forward_pre_hook(self._refuse_other_implementations))
 
+    def _released(self, module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+        """The placeholders still standing in the module (one the user replaced is theirs again)."""
+        return {n: p for n, p in self._placeholders.items() if module._parameters.get(n) is p}
+
     def _refuse_other_implementations(self, module: torch.nn.Module, args) -> None:
-        released = [n for n, p in self._placeholders.items() if module._parameters.get(n) is p]
-        if released and not self._serving(module):
+        if self._serving(module):  # every forward passes here: the cheap test first
+            return
+        released = list(self._released(module))
+        if released:
             raise MoEConfigError(
                 f"{self.name}: {released} were released to moe (their values live in the layer, converted), so it "
                 "cannot run on another implementation; call unuse_moe(model) first, which gives them back"
@@ -184,7 +190,7 @@ class Binding:
     def _restore(self, module: torch.nn.Module, *, check: bool = True) -> None:
         """Real parameters again for every placeholder still in place (one the user replaced stays theirs);
         ``check`` refuses placeholders written into (the write went nowhere)."""
-        released = {n: p for n, p in self._placeholders.items() if module._parameters.get(n) is p}
+        released = self._released(module)
         written = [n for n, p in released.items() if check and p._version != self._versions[n]]
         if written:
             raise MoEConfigError(
@@ -198,7 +204,7 @@ class Binding:
         self._placeholders = {}
 
     def _write_state(self, module, state_dict, prefix, local_metadata) -> None:
-        released = [n for n, p in self._placeholders.items() if module._parameters.get(n) is p]
+        released = self._released(module)
         if released:
             values = self._originals()
             for name in released:

@@ -31,7 +31,7 @@ import torch
 
 from moe.errors import MoEConfigError
 from moe.formats import ActivationFormat, Dispatched, DispatchShape, ExpertsOutput
-from moe.platform import Platform, missing_library_reason
+from moe.platform import Platform, missing_features_reason, missing_library_reason
 from moe.problem import MoEProblem, ParallelConfig
 from moe.quant import SCHEME_PAIRS, QuantFormat
 from moe.router import TopK
@@ -228,9 +228,9 @@ def _transport_platform_reasons(transport: Transport, platform: Platform) -> lis
             reasons.append(missing_library_reason(lib))
     for feature in transport.features:
         lib, short = feature.split(".", 1)
-        if platform.has_library(lib) and not platform.has_feature(feature):
-            version = platform.version_of(lib)
-            reasons.append(f"the installed {lib}{f' {version}' if version else ''} lacks {short}")
+        lacking = missing_features_reason(platform, lib, [short])
+        if lacking:
+            reasons.append(lacking)
     return reasons
 
 
