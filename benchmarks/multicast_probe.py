@@ -77,14 +77,19 @@ def _layouts():
 
 
 def multi_cta_gluon() -> bool:
-    """Whether the installed Triton's Gluon has TMA multicast (3.9+)."""
+    """Whether the installed Triton's Gluon has TMA multicast and the multi-CTA layouts this kernel uses (3.9+).
+    Triton 3.8 (torch 2.14's) already has ``async_load(multicast=)``, but compiling the kernel fails in its layouts
+    ("'list' object has no attribute 'type'"), so the version is checked too."""
     import inspect
+
+    import triton
 
     try:
         from triton.experimental.gluon.language.nvidia.hopper import tma
     except ImportError:
         return False
-    return "multicast" in inspect.signature(tma.async_load).parameters
+    major, minor = (int(part) for part in triton.__version__.split(".")[:2])
+    return (major, minor) >= (3, 9) and "multicast" in inspect.signature(tma.async_load).parameters
 
 
 def probe_ptx(multicast: bool, arch: int = 90) -> str:
