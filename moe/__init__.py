@@ -19,6 +19,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch  # noqa: F401
 
+import moe._requirements  # noqa: E402, F401  (first: it refuses an older torch by name)
 from moe.activation import Activation, ActivationKind  # noqa: E402
 from moe.errors import CacheWarning, MoEConfigError, MoEError, SlowPathWarning, UnsupportedError, WorkspaceError
 from moe.experts import Capabilities, Experts, Mode, ReferenceExperts, TorchGroupedExperts

@@ -3,7 +3,7 @@
 Each test runs a fresh interpreter in which the optional libraries cannot be imported: the path finder
 is replaced by one that does not see them, as if they were not installed (``find_spec`` answers None,
 ``import`` raises ModuleNotFoundError; torch's own probes, e.g. torch._dynamo's for numpy, see the same). This keeps the rule between CI runs,
-whose `make demo` meets the base install for real.
+whose `make demo` meets the base install for real. The last tests hold the required torch to its floor.
 """
 
 import json
@@ -115,3 +115,34 @@ def test_demo_without_optional_libraries(quant):
     )
     _assert_ok(result)
     assert "-> OK" in result.stdout
+
+
+def _import_moe_with_torch_version(version: str) -> subprocess.CompletedProcess:
+    """``import moe`` in a new interpreter whose torch reports ``version``."""
+    code = ("import torch; from torch.torch_version import TorchVersion; "
+            f"torch.__version__ = TorchVersion({version!r}); import moe")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+
+
+def test_the_torch_floor_is_the_one_pyproject_requires():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from pathlib import Path
+
+    from moe._requirements import MIN_TORCH
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert f"torch>={MIN_TORCH},<3" in project["dependencies"]
+
+
+@pytest.mark.parametrize("version", ["2.10.0+cu128", "2.6.0", "1.13.1"])
+def test_an_older_torch_is_a_clear_import_error(version):
+    result = _import_moe_with_torch_version(version)
+    assert result.returncode != 0
+    assert (f"ImportError: moe needs torch >= 2.11, and torch {version} is installed: pip install 'torch>=2.11'"
+            in result.stderr), result.stderr
+
+
+@pytest.mark.parametrize("version", ["2.11.0a0+ecf3bae", "2.11.0", "2.15.0+cu132", "3.0.0"])
+def test_the_floor_and_newer_import(version):
+    """A pre-release of the floor (NVIDIA's containers ship such builds) is compared by major.minor, and passes."""
+    _assert_ok(_import_moe_with_torch_version(version))

@@ -99,12 +99,14 @@ SAVED = {"qwen3_moe": ("qwen3", "model.layers.0.mlp."), "mixtral": ("mixtral", "
 
 def tiny_model(family: str, dtype=torch.float32, seed: int = 0):
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config(family)).to(dtype).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config(family)).eval()
     with torch.no_grad():  # biases and the V4 correction terms start at zero; make them count
         for name, param in model.named_parameters():
             if name.endswith("_bias") or "experts" in name:
                 param.normal_(0, 0.5)
-    return model
+    # drawn in float32, then cast: the bf16 model is the float32 one rounded on every torch (torch 2.11 draws
+    # other values for normal_ on a bf16 tensor than on a float32 one)
+    return model.to(dtype)
 
 
 def experts_modules(model):
