@@ -76,10 +76,9 @@ Reader = Callable[[torch.nn.Module], "ModuleSpec | str"]  # a spec, or why the m
 class Binding:
     """One experts module and the `FusedMoE` serving it (None while it falls back)."""
 
-    def __init__(self, name: str, options: Options, read: Reader,
-                 serving: Callable[[torch.nn.Module], bool] | None = None):
+    def __init__(self, name: str, options: Options, read: Reader, serving: Callable[[torch.nn.Module], bool]):
         """``serving(module)``: whether a call of the module reaches this binding's layer now (the model still
-        runs this implementation). Given, a released module called otherwise raises instead of computing with
+        runs this implementation). A released module called otherwise raises instead of computing with
         placeholders, which some ops do silently (a CPU tensor times a meta one is a CPU tensor)."""
         self.name, self.options, self._read, self._serving = name, options, read, serving
         self.layer: FusedMoE | None = None
@@ -156,9 +155,8 @@ class Binding:
         if not self._hooks:
             # partials: torch marks a state_dict hook with an attribute, which a bound method cannot take
             self._hooks = [module.register_state_dict_post_hook(functools.partial(Binding._write_state, self)),
-                           module.register_load_state_dict_pre_hook(functools.partial(Binding._before_load, self))]
-            if self._serving is not None:
-                self._hooks.append(module.register_forward_pre_hook(self._refuse_other_implementations))
+                           module.register_load_state_dict_pre_hook(functools.partial(Binding._before_load, self)),
+                           module.register_forward_pre_hook(self._refuse_other_implementations)]
 
     def _released(self, module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
         """The placeholders still standing in the module (one the user replaced is theirs again)."""
