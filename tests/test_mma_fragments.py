@@ -10,11 +10,10 @@ sum of the MMAs over the K blocks is the dequantized weights times the activatio
 import pytest
 import torch
 
+from moe.errors import MoEConfigError
 from moe.experts._triton.weights import (FRAGMENT_BITS, MMA_K, MMA_ROWS, fragment_words, fragments_fit,
                                          mma_fragment_bytes, mma_fragments)
-from moe.errors import MoEConfigError
 from moe.quant import QuantFormat, decode_e2m1, dequantize, quantize
-
 
 M = 0x81C081C0  # bf16 bits 6..8 and 15 of both halves
 
@@ -155,3 +154,19 @@ def test_fragments_are_skipped_with_one_warning_where_the_gpu_lacks_room(monkeyp
         assert not triton_experts.fragments_room(weights)
         assert not triton_experts.fragments_room(weights)
     assert len(caught) == 1 and "GiB free of 100.00" in str(caught[0].message)
+
+
+def test_room_counts_what_torchs_cache_holds_unused(monkeypatch):
+    """A process that freed large tensors keeps their blocks in torch's caching allocator, which the driver reports
+    as used; `fragments_fit` counts them as room (reserved minus allocated), and only them: memory in use, or held
+    by another process, is not room (all mocked, no GPU here)."""
+    gib = 2**30
+    needed = 2 * gib
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5 * gib, 100 * gib))  # 5% free for the driver
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 60 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 40 * gib)  # 20 GiB cached, unused
+    fits, numbers = fragments_fit(torch.device("cuda"), needed)
+    assert fits and numbers.endswith("25.00 GiB free of 100.00")
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 58 * gib)  # only 2 GiB unused
+    fits, numbers = fragments_fit(torch.device("cuda"), needed)
+    assert not fits and numbers.endswith("7.00 GiB free of 100.00")

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe.experts._triton.config import ConfigTable
 from moe.errors import MoEConfigError
+from moe.experts._triton.config import ConfigTable
 from moe.quant import QuantFormat, unpack_e2m1
 from moe.quant.nvfp4 import NVFP4_BLOCK
 from moe.weights import ExpertWeights
@@ -239,8 +239,11 @@ def mma_fragment_bytes(packed_shape: tuple[int, ...]) -> int:
 
 def fragments_fit(device: torch.device, nbytes: int) -> tuple[bool, str]:
     """Whether ``nbytes`` more of fragments (and their conversion's temporaries) leave `FRAGMENT_FREE_FRACTION` of
-    ``device``'s memory free, and the numbers, for a warning."""
-    free, total = torch.cuda.mem_get_info(device)
+    ``device``'s memory free, and the numbers, for a warning. Free counts what the driver has left and what torch's
+    caching allocator holds for this process but no tensor uses (it takes those blocks first, and empties its cache
+    before it gives up): a process that has freed large tensors still has their room."""
+    driver_free, total = torch.cuda.mem_get_info(device)
+    free = driver_free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     left = free - nbytes - FRAGMENT_BUILD_BYTES
     gib = 2.0**30
     return left >= FRAGMENT_FREE_FRACTION * total, (f"{nbytes / gib:.2f} GiB needed, {free / gib:.2f} GiB free of "
