@@ -88,7 +88,9 @@ class OneGpuAtATime:
     def release(self):
         if self._file is not None:
             import fcntl
+            import gc
 
+            gc.collect()  # tensors a test left in a reference cycle, so that the cache can give their blocks back
             torch.cuda.empty_cache()
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
