@@ -2,6 +2,8 @@
 and `gpu` tests skipped where there is no CUDA, else run one at a time across pytest workers; under Triton's CPU
 interpreter, its language patched once per launch."""
 
+import fcntl
+import gc
 import os
 import tempfile
 
@@ -80,16 +82,11 @@ class OneGpuAtATime:
 
     def acquire(self):
         if self._file is None:
-            import fcntl  # POSIX; nothing here runs the gpu tests elsewhere
-
             self._file = open(self.path, "a")
             fcntl.flock(self._file, fcntl.LOCK_EX)
 
     def release(self):
         if self._file is not None:
-            import fcntl
-            import gc
-
             gc.collect()  # tensors a test left in a reference cycle, so that the cache can give their blocks back
             torch.cuda.empty_cache()
             fcntl.flock(self._file, fcntl.LOCK_UN)

@@ -145,6 +145,8 @@ def test_fragments_are_skipped_with_one_warning_where_the_gpu_lacks_room(monkeyp
                                        dtype=torch.bfloat16)
     needed = mma_fragment_bytes(tuple(weights.w13.data.shape)) + mma_fragment_bytes(tuple(weights.w2.data.shape))
     monkeypatch.setattr(triton_experts, "_FRAGMENTS_SKIPPED", [])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)  # nothing cached: a GPU machine's
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)  # own cache would count as room
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * gib, 100 * gib))
     assert fragments_fit(torch.device("cuda"), needed)[0]
     assert triton_experts.fragments_room(weights)

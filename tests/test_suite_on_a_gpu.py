@@ -70,7 +70,6 @@ def test_without_a_gpu_the_same_modules_turn_it_on(tmp_path):
     assert _triton_interpret_after_importing(_interpreter_modules(), tmp_path, with_nvidia_smi=False) == "1"
 
 
-
 SMALL_SUITE = """
 import os, time
 import pytest
