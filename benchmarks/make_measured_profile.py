@@ -39,6 +39,14 @@ class Machine:
     # left out, so the oracle reads a sibling's newer measurements (an H100 the H200's), each turned into an
     # efficiency on its own platform's roofline and scaled by this one's ceilings (moe/oracle/profile.py)
     superseded: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    # the first source file measured after those rewrites (None: none yet): it and the files after it are read
+    # whole, and the superseded pairs' records of the files before it stay out, where the new file times their
+    # cell or not (a stale cell left beside fresh ones would bend the interpolation between them)
+    remeasured_from: str | None = None
+
+    def __post_init__(self):
+        if self.remeasured_from is not None and self.remeasured_from not in self.sources:
+            raise ValueError(f"remeasured_from={self.remeasured_from!r}: must name one of this machine's sources")
 
 
 MACHINES = {
@@ -162,10 +170,19 @@ MACHINES = {
         "fp8_vs_bf16_gpt-oss-120b_mask_fix_nvidia-h100.json": ("records", None),
         # session 9: fp8_block with the pipelined-wgmma tiles in the H100 tables at M >= 1024, bf16 beside it
         "fp8_block_wgmma_bench_nvidia-h100.json": ("records", None),
-    }, "measured on nvidia-h100 (2026-11-25) by python -m moe bench --json; triton mxfp4 from the H200's profile "
-       "(superseded here)",
-        superseded={("triton", "mxfp4"): "the weight-only decode kernels were rewritten in sessions 12-14 (one-row "
-                                         "FMA tiles, then the MMA-fragment tiles) and measured on an H200 only"}),
+        # session 42 (2026-12-06), the first H100 since session 9: the H100 tables after taking the H200's configs
+        # where those were faster (the A/B's time of the config each bucket now holds), then the weight-only decode
+        # bench with FlashInfer beside (read back from its printed tables)
+        "h100_tables_s42_nvidia-h100.json": ("records", None),
+        "decode_s42_nvidia-h100.json": ("records", None),
+    }, "measured on nvidia-h100 (2026-11-25; triton re-measured 2026-12-06) by python -m moe bench --json and "
+       "benchmarks/compare_configs.py",
+        superseded={
+            ("triton", "mxfp4"): "the weight-only decode kernels were rewritten in sessions 12-14 (one-row FMA tiles, "
+                                 "then the MMA-fragment tiles)",
+            ("triton", "bf16"): "the warp-specialized tiles (session 15 on) and the decode kernels changed since",
+            ("triton", "fp8_block"): "the fp8 warp-specialized tiles (session 16) and fp8 decode tiles changed since",
+        }, remeasured_from="h100_tables_s42_nvidia-h100.json"),
 }
 
 
@@ -173,7 +190,9 @@ def measurements(machine: Machine) -> list[ProfileEntry]:
     """Every record of ``machine``'s result files as a profile measurement, in file order."""
     platform = Platform.preset(machine.kind)
     entries = []
+    current = False  # reached machine.remeasured_from
     for name, (key, fixed_preset, *schemes) in machine.sources.items():
+        current = current or name == machine.remeasured_from
         data = json.loads((RESULTS / name).read_text())
         if data[key] and "prepare_finalize" in data[key][0]:  # an expert-parallel file: the transports' times
             entries += _transport_entries(data[key], platform, f"benchmarks/results/{name}")
@@ -183,7 +202,8 @@ def measurements(machine: Machine) -> list[ProfileEntry]:
                 if r.get("error") or r["experts_us"] is None:
                     continue
                 r = {**r, "quant": r["scheme"], "us": r["experts_us"]}
-            if (r["experts"], r["quant"]) in machine.superseded or (schemes and r["quant"] not in schemes[0]):
+            stale = not current and (r["experts"], r["quant"]) in machine.superseded
+            if stale or (schemes and r["quant"] not in schemes[0]):
                 continue
             preset = fixed_preset or r["preset"]
             problem = load_preset(preset).problem(quant=r["quant"], max_tokens=max(r["tokens"], 1))

@@ -18,8 +18,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe.oracle.cost import estimate_experts  # noqa: E402
-from moe.oracle.profile import PROFILE_DIR, load_profile  # noqa: E402
+from moe.oracle.profile import PROFILE_DIR, Profile, ProfileEntry, load_profile  # noqa: E402
 from moe.platform import Platform  # noqa: E402
+
+
+def measured_on_both(ours: Profile, theirs: Profile, backends: set[str]) -> list[ProfileEntry]:
+    """``ours``' measurements (one GPU: ep_size 1) of each (backend, scheme, shape, M) that ``theirs`` measured too."""
+    return [e for e in ours.entries
+            if e.measured and e.backend in backends and e.shape.ep_size == 1
+            and any(t.measured and (t.backend, t.quant, t.tokens) == (e.backend, e.quant, e.tokens)
+                    and t.shape.same_layer(e.shape) for t in theirs.entries)]
 
 
 def projection_rows(source: str, target: str, backends: set[str]) -> list[dict]:
@@ -28,12 +36,7 @@ def projection_rows(source: str, target: str, backends: set[str]) -> list[dict]:
     ours = load_profile(PROFILE_DIR / f"measured-{target}.yaml")
     platform = Platform.preset(target)
     rows = []
-    for e in ours.entries:
-        if not e.measured or e.backend not in backends or e.shape.ep_size != 1:
-            continue
-        if not any(t.measured and (t.backend, t.quant, t.tokens) == (e.backend, e.quant, e.tokens)
-                   and t.shape.same_layer(e.shape) for t in theirs.entries):
-            continue
+    for e in measured_on_both(ours, theirs, backends):
         projected = estimate_experts(e.backend, e.shape.problem(e.quant, max(e.tokens, 1)), platform, e.tokens, theirs)
         rows.append({"backend": e.backend, "quant": e.quant, "shape": e.shape.preset or str(e.shape), "tokens": e.tokens,
                      "measured_us": e.measured_us, "projected_us": projected.us,

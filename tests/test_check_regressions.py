@@ -1,6 +1,7 @@
 """benchmarks/check_regressions.py: a bench file against the shipped measured profile of its machine, on the
 committed results: session 8's run of the fp8 grouped GEMM before its row-mask fix (1.5x slower than after it),
-and session 9's run of the wgmma tiles, the newest source of measured-h100.yaml's fp8_block and bf16 cells."""
+and session 42's timing of the H100 tables, the newest source of measured-h100.yaml's triton fp8_block and bf16 cells
+at M >= 128."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 BEFORE = RESULTS / "fp8_vs_bf16_qwen3_before_mask_fix_nvidia-h100.json"
 AFTER = RESULTS / "fp8_vs_bf16_qwen3-30b-a3b_mask_fix_nvidia-h100.json"
-NEWEST = RESULTS / "fp8_block_wgmma_bench_nvidia-h100.json"  # Qwen3 fp8_block and bf16 at M = 1024-16384
+NEWEST = RESULTS / "h100_tables_s42_nvidia-h100.json"  # four presets' triton bf16 / fp8_block at M = 128-16384
 
 
 @pytest.fixture(scope="module")
@@ -37,21 +38,24 @@ def test_flags_the_fp8_slowdown_before_the_fix(check):
     cells = check.compare(records(BEFORE), "nvidia-h100")
     slow = check.regressions(cells, 0.15)
     assert {(c.quant, c.tokens) for c in slow} == {("fp8_block", 4096), ("fp8_block", 16384)}
-    for c in slow:  # against the newest measurement of the cell, the wgmma tiles' run
-        assert "wgmma_bench" in c.source
+    for c in slow:  # against the newest measurement of the cell, session 42's
+        assert "h100_tables_s42" in c.source
         assert c.ratio == pytest.approx(c.new_us / newest_us(c.preset, c.quant, c.tokens)) and c.ratio > 1.5
-    assert len(cells) == 12 and all(c.profile_us is not None for c in cells)  # every cell compared
+    # every cell compared but the fp8 decode ones: their H100 records predate the fp8 decode tiles (superseded in
+    # make_measured_profile.py) and no H100 has timed them since
+    assert len(cells) == 12
+    assert {(c.quant, c.tokens) for c in cells if c.profile_us is None} == {("fp8_block", m) for m in (1, 4, 16)}
 
 
 def test_the_newest_run_is_the_profile_itself(check):
     cells = check.compare(records(NEWEST), "nvidia-h100")
-    assert len(cells) == 18 and all(c.ratio == pytest.approx(1.0) for c in cells)
+    assert len(cells) == 27 and all(c.ratio == pytest.approx(1.0) for c in cells)
     assert check.regressions(cells, 0.0) == []
 
 
-def test_the_row_mask_fix_run_is_now_slower_than_the_wgmma_tiles(check):
-    """Session 8's fixed pointer kernel, against a profile that holds session 9's wgmma tiles: its fp8 cells
-    from M = 4096 are the regression the check exists to catch, had the wgmma tiles been lost."""
+def test_the_row_mask_fix_run_is_now_slower_than_the_current_tiles(check):
+    """Session 8's fixed pointer kernel, against a profile that holds session 42's timing of the warp-specialized
+    tiles: its fp8 cells from M = 4096 are the regression the check exists to catch, had those tiles been lost."""
     slow = check.regressions(check.compare(records(AFTER), "nvidia-h100"), 0.15)
     assert {(c.quant, c.tokens) for c in slow} == {("fp8_block", 4096), ("fp8_block", 16384)}
 
@@ -62,8 +66,9 @@ def test_main_exit_status_and_table(check, capsys):
     assert out.count("REGRESSED") == 2 and "2 of 12 cells slower than measured-h100.yaml by more than 15%" in out
     assert out.splitlines()[2].startswith("| qwen3-30b-a3b | fp8_block | 4096 |")  # regressions first
     assert check.main([str(NEWEST), "--machine", "nvidia-h100"]) == 0
-    # a looser tolerance lets the 1.75x (against the wgmma tiles' run) through
-    assert check.main([str(BEFORE), "--machine", "nvidia-h100", "--tolerance", "0.8"]) == 0
+    # a looser tolerance lets the 2.06x and 2.22x (against session 42's run) through
+    assert check.main([str(BEFORE), "--machine", "nvidia-h100", "--tolerance", "1.25"]) == 0
+    assert check.main([str(BEFORE), "--machine", "nvidia-h100", "--tolerance", "1.2"]) == 1
 
 
 def test_a_cell_without_a_measurement_is_new(check, tmp_path):

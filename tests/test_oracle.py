@@ -173,8 +173,9 @@ def test_a_transport_measurement_round_trips_with_its_ranks_and_is_its_own_estim
     # at the measured shape and M the estimate is the measurement: divided into and multiplied by transport_us
     at_16 = estimate_transport("all_to_all", ActivationFormat.STANDARD, False, _ep_problem(2), h200, 16, profile)
     assert at_16.us == pytest.approx(300.0) and at_16.basis.startswith("measured at this shape")
-    # at other ranks it informs as an efficiency against that problem's own interconnect roofline
-    at_4 = estimate_transport("all_to_all", ActivationFormat.STANDARD, False, _ep_problem(4), h200, 16, profile)
+    # at other ranks it informs as an efficiency against that problem's own interconnect roofline (alone here: the
+    # shipped profile's other EP2 shapes at M = 16 would be averaged in)
+    at_4 = estimate_transport("all_to_all", ActivationFormat.STANDARD, False, _ep_problem(4), h200, 16, loaded)
     assert at_4.basis.startswith("measured at other shapes") and at_4.efficiency == pytest.approx(at_16.efficiency)
     # the experts' shape keeps ep_size 1: the one-GPU bench measures what an EP problem's experts run
     assert ProfileShape.of(_ep_problem(2)).ep_size == 1

@@ -20,6 +20,7 @@ import importlib
 import importlib.util
 import math
 import re
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import pytest
@@ -196,10 +197,13 @@ def _from_profile(name: str, problem: MoEProblem, platform: Platform, tokens: in
     def measured_on(point) -> Platform:
         return platform if point.platform == platform.kind else Platform.preset(point.platform)
 
-    effs = [(roofline(p.shape.problem(p.quant, max(p.tokens, 1)), measured_on(p), p.tokens, activation=activation).us
-             / p.measured_us, 0.0)
-            if p.measured else (p.efficiency, p.overhead_us) for p in points]
-    xs = [math.log2(p.tokens) for p in points]
+    at_tokens = defaultdict(list)  # several shapes measured at one M count as their mean
+    for p in points:
+        at_tokens[p.tokens].append((roofline(p.shape.problem(p.quant, max(p.tokens, 1)), measured_on(p), p.tokens,
+                                             activation=activation).us / p.measured_us, 0.0)
+                                   if p.measured else (p.efficiency, p.overhead_us))
+    effs = [tuple(sum(v) / len(v) for v in zip(*at_tokens[t])) for t in sorted(at_tokens)]
+    xs = [math.log2(t) for t in sorted(at_tokens)]
     x = min(max(math.log2(tokens), xs[0]), xs[-1])
     i = max(j for j in range(len(xs)) if xs[j] <= x)
     j = min(i + 1, len(xs) - 1)

@@ -186,7 +186,11 @@ def efficiency_at(points: tuple[ProfileEntry, ...], platform: Platform, tokens: 
     if not points:
         return DEFAULT_EFFICIENCY, DEFAULT_OVERHEAD_US
     roofline_us = roofline_us or experts_roofline()
-    values = [(point.tokens, *_point_efficiency(point, platform, roofline_us)) for point in points]
+    by_tokens: dict[int, list[tuple[float, float]]] = {}
+    for point in points:  # other shapes' levels can hold several at one M: their mean, not whichever sorts first
+        by_tokens.setdefault(point.tokens, []).append(_point_efficiency(point, platform, roofline_us))
+    values = [(t, sum(e for e, _ in at) / len(at), sum(o for _, o in at) / len(at))
+              for t, at in sorted(by_tokens.items())]
     if tokens <= values[0][0]:
         return values[0][1], values[0][2]
     for (t0, e0, o0), (t1, e1, o1) in zip(values, values[1:]):

@@ -36,25 +36,29 @@ measurements with ``save_profile``; the oracle reads them from a policy's ``prof
 
 Which points the oracle uses for (backend, platform, quant), first non-empty wins:
 
-1. measured points for (backend, platform.kind or platform.name, quant), from any file, those at the
-   problem's own shape first;
-2. measured points of a sibling platform (another preset of the same architecture: an H100 reads the
-   H200's measurements), each divided by its shape's roofline *on the platform it was measured on*,
-   so the efficiency carries over and the sibling's ceilings scale the time;
-3. if a peer (another experts backend) is measured for this scheme on this architecture, nothing
+1. measured points, in this order: for (backend, platform.kind or platform.name, quant) at the problem's own
+   shape, from any file; a sibling platform's at this shape (another preset of the same architecture: an H100
+   reads the H200's measurements), each divided by its shape's roofline *on the platform it was measured on*,
+   so the efficiency carries over and the sibling's ceilings scale the time; this platform's at other shapes;
+   the sibling's at other shapes. The sibling's measurement of this shape comes before this platform's of
+   other shapes: over every cell both committed profiles hold, carried across the two it came within 5.5% (to
+   the H100) and 6.7% (to the H200) of the time measured there (median), other shapes' on the same platform
+   within 11% and 15% (`benchmarks/oracle_levels.py`, session 42). Several shapes measured at one M count as
+   the mean of their efficiencies;
+2. if a peer (another experts backend) is measured for this scheme on this architecture, nothing
    more: the backend takes ``DEFAULT_EFFICIENCY`` (a generic guess never displaces a measurement);
    otherwise estimated points for (backend, platform, quant), then (backend, platform, "*"), then
    (backend, "*", quant), then (backend, "*", "*");
-4. none: ``DEFAULT_EFFICIENCY`` and ``DEFAULT_OVERHEAD_US`` -- pessimistic on purpose, so that an
+3. none: ``DEFAULT_EFFICIENCY`` and ``DEFAULT_OVERHEAD_US`` -- pessimistic on purpose, so that an
    unmeasured plugin never displaces a profiled backend -- said so in the explanation.
 
-Asked for one M (``tokens``), a measured level (1 or 2) speaks only for M within `REACH` times the token
-counts it was measured at, and gives way to a later measured level that reaches M: a backend measured on
+Asked for one M (``tokens``), each of the four measured levels speaks only for M within `REACH` times the
+token counts it was measured at, and gives way to a later measured level that reaches M: a backend measured on
 this shape at decode only (M = 1-16) says little of its efficiency at M = 4096, where it computes instead of
 streaming weights, and its measurements on other shapes at that M say more. Where no measured level
 reaches M, the first with points is used, held constant beyond them.
 
-Within one level, a later file's points replace an earlier file's points at the same tokens.
+Within one level, a later file's points replace an earlier file's points at the same tokens and shape.
 """
 
 from __future__ import annotations
@@ -186,8 +190,8 @@ class Profile:
         theirs = [e for e in mine if e.measured and e.platform in kin and e.quant == quant]
         levels = [
             ("measured at this shape", _at(measured, shape)),
-            ("measured at other shapes", measured),
             (f"measured on {_joined(theirs)} at this shape, against its ceilings", _at(theirs, shape)),
+            ("measured at other shapes", measured),
             (f"measured on {_joined(theirs)} at other shapes, against its ceilings", theirs),
         ]
         peers = set(peers)
