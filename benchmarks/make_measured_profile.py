@@ -48,6 +48,13 @@ class Machine:
         if self.remeasured_from is not None and self.remeasured_from not in self.sources:
             raise ValueError(f"remeasured_from={self.remeasured_from!r}: must name one of this machine's sources")
 
+    @property
+    def stale_sources(self) -> list[str]:
+        """The source files whose `superseded` records stay out: those before `remeasured_from` (every one where
+        no file has re-measured them yet)."""
+        names = list(self.sources)
+        return names[:names.index(self.remeasured_from)] if self.remeasured_from else names
+
 
 MACHINES = {
     "nvidia-h200": Machine("h200", {
@@ -190,9 +197,8 @@ def measurements(machine: Machine) -> list[ProfileEntry]:
     """Every record of ``machine``'s result files as a profile measurement, in file order."""
     platform = Platform.preset(machine.kind)
     entries = []
-    current = False  # reached machine.remeasured_from
+    stale_sources = set(machine.stale_sources)
     for name, (key, fixed_preset, *schemes) in machine.sources.items():
-        current = current or name == machine.remeasured_from
         data = json.loads((RESULTS / name).read_text())
         if data[key] and "prepare_finalize" in data[key][0]:  # an expert-parallel file: the transports' times
             entries += _transport_entries(data[key], platform, f"benchmarks/results/{name}")
@@ -202,7 +208,7 @@ def measurements(machine: Machine) -> list[ProfileEntry]:
                 if r.get("error") or r["experts_us"] is None:
                     continue
                 r = {**r, "quant": r["scheme"], "us": r["experts_us"]}
-            stale = not current and (r["experts"], r["quant"]) in machine.superseded
+            stale = name in stale_sources and (r["experts"], r["quant"]) in machine.superseded
             if stale or (schemes and r["quant"] not in schemes[0]):
                 continue
             preset = fixed_preset or r["preset"]

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from moe.oracle import Policy, load_profile, plan
-from moe.oracle.profile import PROFILE_DIR, ProfileShape
+from moe.oracle.cost import efficiency_at
+from moe.oracle.profile import PROFILE_DIR, Profile, ProfileEntry, ProfileShape
 from moe.platform import Platform
 from moe.presets import load_preset
 from tests.helpers import benchmark_script
@@ -30,22 +31,19 @@ def _read(machine: str):
     """(file, record) for each record of the machine's source files that its profile may take, in file order:
     a superseded (backend, scheme)'s records only from the file that re-measured them on (`remeasured_from`)."""
     spec = _script().MACHINES[machine]
-    current = False
+    stale_sources = set(spec.stale_sources)
     for name in spec.sources:
-        current = current or name == spec.remeasured_from
         for r in json.loads((RESULTS / name).read_text())["records"]:
-            if current or (r["experts"], r["quant"]) not in spec.superseded:
+            if name not in stale_sources or (r["experts"], r["quant"]) not in spec.superseded:
                 yield name, r
 
 
-def _cells(machine: str, names=None) -> dict[tuple[str, str], dict[int, dict[str, float]]]:
-    """(preset, scheme) -> M -> experts backend -> measured us, from the machine's committed bench result files
-    (or those of ``names`` among them) in order (a later file's time of a backend replaces an earlier one's, as in
-    the profile)."""
+def _cells(machine: str) -> dict[tuple[str, str], dict[int, dict[str, float]]]:
+    """(preset, scheme) -> M -> experts backend -> measured us, from the machine's committed bench result files in
+    order (a later file's time of a backend replaces an earlier one's, as in the profile)."""
     cells: dict = defaultdict(lambda: defaultdict(dict))
-    for name, r in _read(machine):
-        if names is None or name in names:
-            cells[(r["preset"], r["quant"])][r["tokens"]][r["experts"]] = r["us"]
+    for _, r in _read(machine):
+        cells[(r["preset"], r["quant"])][r["tokens"]][r["experts"]] = r["us"]
     return cells
 
 
@@ -64,8 +62,7 @@ def test_h100_profile_holds_every_record_of_the_h100_bench_files_but_the_superse
     last_file = {}  # (preset, scheme, M, backend) -> the last source file that measured it (it wins)
     for name, r in _read("nvidia-h100"):
         last_file[(r["preset"], r["quant"], r["tokens"], r["experts"])] = name
-    names = list(spec.sources)
-    stale = {f"benchmarks/results/{name}" for name in names[:names.index(spec.remeasured_from)]}
+    stale = {f"benchmarks/results/{name}" for name in spec.stale_sources}
     assert not [e for e in shipped if (e.backend, e.quant) in spec.superseded and e.note in stale]
     assert set(spec.sources) >= set(H100_BENCH) and len(shipped) == len(last_file)
     assert {e.note for e in shipped} == {f"benchmarks/results/{name}" for name in set(last_file.values())}
@@ -88,7 +85,9 @@ def test_superseded_records_stay_out_only_of_the_files_before_the_remeasurement(
     read = {(e.backend, e.tokens, e.note) for e in script.measurements(machine)}
     assert read == {("flashinfer_cutlass", 256, "benchmarks/results/old.json"),
                     ("triton", 1, "benchmarks/results/new.json")}
+    assert machine.stale_sources == ["old.json"]
     never_remeasured = dataclasses.replace(machine, remeasured_from=None)
+    assert never_remeasured.stale_sources == ["old.json", "new.json"]
     assert {(e.backend, e.tokens) for e in script.measurements(never_remeasured)} == {("flashinfer_cutlass", 256)}
     with pytest.raises(ValueError, match="remeasured_from='nwe.json': must name one of this machine's sources"):
         dataclasses.replace(machine, remeasured_from="nwe.json")
@@ -156,8 +155,7 @@ def test_h100_plan_for_a_superseded_cell_not_remeasured_reads_the_h200_measureme
     spec = _script().MACHINES["nvidia-h100"]
     assert ("triton", "bf16") in spec.superseded
     assert "triton" not in _cells("nvidia-h100")[("mixtral-8x7b", "bf16")][1]
-    stale = [r for name in list(spec.sources)[:list(spec.sources).index(spec.remeasured_from)]
-             for r in json.loads((RESULTS / name).read_text())["records"]
+    stale = [r for name in spec.stale_sources for r in json.loads((RESULTS / name).read_text())["records"]
              if (r["experts"], r["quant"], r["preset"], r["tokens"]) == ("triton", "bf16", "mixtral-8x7b", 1)]
     assert stale  # what the profile read before session 42
     (h200_us,) = [e.measured_us for e in load_profile(PROFILE_DIR / "measured-h200.yaml").entries
@@ -174,8 +172,6 @@ def test_h100_plan_for_a_superseded_cell_not_remeasured_reads_the_h200_measureme
 def test_a_siblings_measurement_of_this_shape_comes_before_this_platforms_other_shapes():
     """The order of `Profile.points`' measured levels: this platform at this shape, the sibling at this shape, this
     platform at other shapes, the sibling at other shapes (each only where it reaches M)."""
-    from moe.oracle.profile import Profile, ProfileEntry
-
     qwen3, mixtral = (load_preset(p).problem(quant="bf16", max_tokens=1) for p in ("qwen3-30b-a3b", "mixtral-8x7b"))
     h100, h200 = Platform.preset("h100"), Platform.preset("h200")
 
@@ -196,9 +192,6 @@ def test_a_siblings_measurement_of_this_shape_comes_before_this_platforms_other_
 def test_several_shapes_at_one_token_count_count_as_their_mean_whatever_their_order():
     """A level of other shapes can hold two measured at one M: the efficiency there is their mean (it was whichever
     sorted first, so a file's order decided a plan)."""
-    from moe.oracle.cost import efficiency_at, experts_roofline
-    from moe.oracle.profile import ProfileEntry
-
     h100 = Platform.preset("h100")
     points = [ProfileEntry.measurement("triton", h100, load_preset(p).problem(quant="bf16", max_tokens=1), 1, us,
                                        preset=p) for p, us in (("qwen3-30b-a3b", 40.0), ("mixtral-8x7b", 300.0))]
@@ -206,4 +199,3 @@ def test_several_shapes_at_one_token_count_count_as_their_mean_whatever_their_or
     assert each[0] != pytest.approx(each[1])
     for ordered in (tuple(points), tuple(reversed(points))):
         assert efficiency_at(ordered, h100, 1)[0] == pytest.approx(sum(each) / 2)
-        assert efficiency_at(ordered, h100, 1, experts_roofline())[0] == pytest.approx(sum(each) / 2)
