@@ -6,7 +6,8 @@ Sides: ``table`` (what the table's ``decode`` section picks: its tiles, "grouped
 (the section unread: `decode.FP8_DECODE_CONFIGS`, or for the weight-only formats the bucket of `decode.DECODE_CONFIGS`),
 ``per_expert`` (the table's pick with ``finish`` off on its MMA and tensor-core tiles: from two tokens their programs
 take an expert's slots, as before session 24, rather than one slot each; `decode.DecodeConfig.per_slot`) and
-``grouped`` (the grouped GEMMs, no decode kernels)::
+``predicated`` / ``unpredicated`` (the table's pick with `decode.DecodeTile.unpredicated` off / on on its MMA tiles)
+and ``grouped`` (the grouped GEMMs, no decode kernels)::
 
     python benchmarks/decode_tables_ab.py deepseek-v3-ep8-slice,qwen3-30b-a3b 2,4,5,6,7,8 [table,shared,grouped]
 
@@ -34,12 +35,21 @@ from moe.presets import load_preset
 from moe.tools.bench import backend_calls, build_weights, make_inputs, time_calls
 
 
-def per_expert(config: decode.DecodeConfig | None) -> decode.DecodeConfig | None:
-    """``config`` with ``finish`` off on its MMA and tensor-core tiles (not `DecodeConfig.per_slot`)."""
+def _retiled(config: decode.DecodeConfig | None, change) -> decode.DecodeConfig | None:
+    """``config`` with ``change`` (DecodeTile -> DecodeTile) applied to both GEMMs' tiles (not its fallback's)."""
     if config is None:
         return None
-    tiles = [dataclasses.replace(t, finish=t.finish and not t.takes_expert_slots) for t in (config.gemm1, config.gemm2)]
-    return dataclasses.replace(config, gemm1=tiles[0], gemm2=tiles[1])
+    return dataclasses.replace(config, gemm1=change(config.gemm1), gemm2=change(config.gemm2))
+
+
+def per_expert(config: decode.DecodeConfig | None) -> decode.DecodeConfig | None:
+    """``config`` with ``finish`` off on its MMA and tensor-core tiles (not `DecodeConfig.per_slot`)."""
+    return _retiled(config, lambda t: dataclasses.replace(t, finish=t.finish and not t.takes_expert_slots))
+
+
+def loads(config: decode.DecodeConfig | None, unpredicated: bool) -> decode.DecodeConfig | None:
+    """``config`` with its MMA tiles' weight loads `unpredicated` or not (`decode.DecodeTile.unpredicated`)."""
+    return _retiled(config, lambda t: dataclasses.replace(t, unpredicated=unpredicated and t.mma))
 
 
 # side: (fp8's choice by tokens, the weight-only formats' by rows per expert); None: the experts' own lookup
@@ -48,6 +58,9 @@ SIDES = {
     "shared": (lambda m, *table: decode.fp8_decode_config(m), lambda rows, *table: decode.decode_config(rows)),
     "per_expert": (lambda m, *table: per_expert(decode.fp8_decode_config(m, *table)),
                    lambda rows, *table: per_expert(decode.decode_config(rows, *table))),
+    **{name: (lambda m, *table, on=on: loads(decode.fp8_decode_config(m, *table), on),
+              lambda rows, *table, on=on: loads(decode.decode_config(rows, *table), on))
+       for name, on in (("predicated", False), ("unpredicated", True))},
     "grouped": (lambda m, *table: None, lambda rows, *table: None),
 }
 

@@ -64,8 +64,26 @@ def test_the_sides_decide_for_the_weight_only_formats_too():
         config = triton_experts.decode_config(0.0625, 1, table)
         assert config.gemm1 == decode.mma_tile(16, 1, 4) == config.gemm2 and not config.per_slot
         assert config.fallback == decode.decode_config(0.0625).fallback  # FMA tiles keep theirs
+    with side("unpredicated"):  # the table's tiles, their weight loads with no predicate
+        config = triton_experts.decode_config(0.0625, 1, table)
+        assert config.gemm1 == dataclasses.replace(decode.mma_tile(16, 1, 4, finish=True), unpredicated=True)
+        assert config.fallback == decode.decode_config(0.0625).fallback
+    with side("predicated"):
+        assert triton_experts.decode_config(0.0625, 1, table) == own(0.0625, 1, table)
     assert own(0.0625, 1, table).per_slot
     assert triton_experts.decode_config is own
+
+
+def test_the_load_sides_switch_the_mma_tiles_only():
+    """``unpredicated`` sets `DecodeTile.unpredicated` on MMA tiles (the only ones it applies to) and ``predicated``
+    clears it; other tiles, and a config of None (grouped), pass through."""
+    loads = benchmark_script("decode_tables_ab").loads
+    mma = decode.mma_tile(32, 2, 4, finish=True)
+    dot = decode.DecodeTile(64, 128, 2, 16, dot=True)
+    on = loads(decode.DecodeConfig(mma, dot), True)
+    assert on.gemm1 == dataclasses.replace(mma, unpredicated=True) and on.gemm2 == dot
+    assert loads(on, False) == decode.DecodeConfig(mma, dot)
+    assert loads(None, True) is None
 
 
 def test_the_per_expert_side_keeps_fma_tiles_finishing():
@@ -104,11 +122,12 @@ def test_time_sides_runs_each_side_on_the_bench_calls_and_compares_it_with_the_t
 
 
 def test_an_unknown_side_is_refused_naming_it():
-    with pytest.raises(ValueError, match="side must be one of table, shared, per_expert, grouped .got 'fused'."):
+    sides = "table, shared, per_expert, predicated, unpredicated, grouped"
+    with pytest.raises(ValueError, match=f"side must be one of {sides} .got 'fused'."):
         with benchmark_script("decode_tables_ab").side("fused"):
             pass
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_tables_ab.py"
     done = subprocess.run([sys.executable, str(script), "qwen3-30b-a3b", "1", "table,fused"], capture_output=True,
                           text=True, timeout=300, cwd=script.parents[1], env={"PYTHONPATH": str(script.parents[1])})
     assert done.returncode != 0
-    assert "side must be one of table, shared, per_expert, grouped (got 'fused')" in done.stderr
+    assert f"side must be one of {sides} (got 'fused')" in done.stderr

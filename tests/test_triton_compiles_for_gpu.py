@@ -294,6 +294,30 @@ def test_the_mma_decode_tiles_compile_with_one_element_per_thread(records, scale
             assert ttgir.count("mma.sync.aligned.m16n8k16") >= 1
 
 
+def test_unpredicated_mma_tiles_load_their_weights_with_no_predicate(records):
+    """``DecodeTile.unpredicated`` takes the predicate off the MMA tiles' weight and scale loads (sm90 PTX: bare
+    ``ld.global.nc`` of 16 and 4 bytes, the activations' loads still predicated); without it every such load is
+    predicated."""
+    base = next(r for r in records if r.name == "moe.experts._triton._decode.decode_gemm_kernel"
+                and dict(r.constexprs)["GATED"] and dict(r.constexprs)["SCALES"] == QUANT_CODES[QuantFormat.MXFP4])
+    plain = mma_variant(base, QuantFormat.MXFP4, 1)
+    assert dict(plain.constexprs)["UNPREDICATED"] is False  # what the recorded launches pass by default
+    bare = replace(plain, constexprs=tuple((dict(plain.constexprs) | dict(UNPREDICATED=True)).items()))
+    with launches.Compiler(workers=1) as compiler:
+        (error, ptx), (plain_error, plain_ptx) = [compiler.stage(launches.CompileJob(r, 90), "ptx").result()
+                                                  for r in (bare, plain)]
+    assert error is None and plain_error is None, (error, plain_error)
+
+    def loads(text: str, width: str) -> tuple[int, int]:
+        lines = [line.strip() for line in text.splitlines() if f"ld.global.nc.{width}" in line]
+        return sum(line.startswith("@") for line in lines), sum(not line.startswith("@") for line in lines)
+
+    (predicated16, bare16), (_, bare4) = loads(ptx, "v4.b32"), loads(ptx, "b32 ")
+    assert bare16 >= 2 and bare4 >= 2  # gate and up rows' words and scales
+    assert predicated16 >= 2  # the activations
+    assert loads(plain_ptx, "v4.b32")[1] == 0 and loads(plain_ptx, "b32 ")[1] == 0
+
+
 def one_token_fp8_dot_record(records):
     """The fp8_block decode GEMM on tensor cores that finishes its own epilogue: what the one-token configs launch."""
     return next(r for r in records if r.name == "moe.experts._triton._decode.decode_gemm_kernel"

@@ -190,6 +190,9 @@ def test_decode_tile_rejects_bad_values():
     with pytest.raises(MoEConfigError, match=r"finish=True FMA tiles take one row at a time: block_m=1 \(got 2\)"):
         DecodeTile(block_m=2, dot=False, finish=True)
     assert DecodeTile(block_m=16, dot=True, finish=True).finish  # tensor-core tiles finish with a program per slot
+    with pytest.raises(MoEConfigError, match=r"unpredicated=True .* needs mma=True \(got mma=False\)"):
+        DecodeTile(block_m=16, dot=True, unpredicated=True)
+    assert replace(decode.mma_tile(16, 2, 4, finish=True), unpredicated=True).unpredicated
 
 
 @pytest.mark.parametrize("quant", ["mxfp4", "nvfp4", "mxfp8"])

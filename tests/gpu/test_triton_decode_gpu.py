@@ -9,22 +9,30 @@ kinds. All: CUDA-graph replay bit-equal to eager, no host sync."""
 from __future__ import annotations
 
 import inspect
+import json
 from dataclasses import replace
 
 import pytest
 import torch
 
 from moe.experts._triton import decode
-from moe.experts._triton.decode import _gemm as _GEMM
+from moe.experts._triton.config import CONFIG_DIR, ConfigKey, ConfigTable
 from moe.experts._triton.decode import DecodeConfig, DecodeTile, packed_dequantization
+from moe.experts._triton.decode import _gemm as _GEMM
 from moe.experts.reference import WeightOnlyReferenceExperts
+from moe.experts.triton import TritonExperts
 from moe.formats import ActivationFormat, Dispatched
 from moe.quant import QuantFormat, QuantizedTensor
-from moe.weights import ExpertWeights
-from tests.gpu.test_triton_gpu import (assert_replay_equals_eager_without_sync, problem, reference, run,
-                                      topk_for, weights_for)
-from moe.experts.triton import TritonExperts
 from moe.testing.tolerance import assert_close_moe, regime_for
+from moe.weights import ExpertWeights
+from tests.gpu.test_triton_gpu import (
+    assert_replay_equals_eager_without_sync,
+    problem,
+    reference,
+    run,
+    topk_for,
+    weights_for,
+)
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
@@ -306,6 +314,72 @@ def weight_only_reference(p, d, weights):
     return (run(truth, d, truth.prepare_weights(weights)) * d.topk.weights.unsqueeze(-1)).sum(1).float()
 
 
+def mma_case(quant, tokens):
+    """(problem, weights, experts, prepared weights, dispatched input) of the MMA tiles' tests: GPT-OSS-120B's MXFP4
+    shape, or a Qwen3-like NVFP4 one whose block scales span e4m3's range."""
+    if quant == "mxfp4":
+        p = gpt_oss(tokens)
+        weights = weights_for(p)
+    else:
+        p = problem("nvfp4", "silu", E=128, k=8, H=2048, I=768, max_tokens=tokens)
+        weights = weights_for(p, spread=(0.125, 128.0))
+    experts = TritonExperts(p)
+    prepared = experts.prepare_weights(weights)
+    d = dispatched_for(p, tokens)
+    assert decode.mma_ready(prepared, d.x.data)
+    return p, weights, experts, prepared, d
+
+
+@pytest.mark.parametrize("quant", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("tokens", [1, 3, 33, 64])
+@pytest.mark.parametrize("tile", [MMA, MMA_FUSED, MMA_FINISH], ids=["splits", "fused", "finish"])
+def test_unpredicated_mma_tiles_give_the_predicated_tiles_bits(quant, tokens, tile, monkeypatch):
+    """`DecodeTile.unpredicated` changes how the weights are loaded, not what is summed: the steps an unrolled loop
+    runs past a split's end (``finish``: 45 K blocks in 8 splits of 6, loaded 4 at a time) re-read the split's last
+    weights against zero activations, where the predicated loads read zeros."""
+    _, _, experts, prepared, d = mma_case(quant, tokens)
+    outs = []
+    for t in (tile, replace(tile, unpredicated=True)):
+        monkeypatch.setattr("moe.experts.triton.decode_config", lambda m, *table, t=t: DecodeConfig(t, t))
+        outs.append(run(experts, d, prepared).float().clone())
+    assert torch.equal(outs[0], outs[1]), (outs[0] - outs[1]).abs().max()
+
+
+def unpredicated_entries():
+    """(table file, M, entry) of every shipped table's decode entry with an `unpredicated` tile, on any GPU."""
+    found = []
+    for path in sorted(CONFIG_DIR.glob("*.json")):
+        table = ConfigTable.from_json(ConfigKey(**json.loads(path.read_text())["key"]), json.loads(path.read_text()))
+        found += [(path.name, m, entry) for m, entry in table.decode if entry not in ("default", "grouped")
+                  and any(t.unpredicated for t in (decode.table_decode_config(entry).gemm1,
+                                                   decode.table_decode_config(entry).gemm2))]
+    return found
+
+
+@pytest.mark.parametrize("name, tokens, entry", unpredicated_entries(), ids=lambda v: str(v)[:40])
+def test_the_tables_unpredicated_entries_give_the_predicated_tiles_bits(name, tokens, entry, monkeypatch):
+    """The shipped entries that load their weights unpredicated (the H200's GPT-OSS-120B MXFP4 / NVFP4 at one token),
+    forced on whatever SM90 runs this: the same bits as the same tiles predicated, and the reference."""
+    config = decode.table_decode_config(entry)
+    plain = DecodeConfig(replace(config.gemm1, unpredicated=False), replace(config.gemm2, unpredicated=False))
+    key = json.loads((CONFIG_DIR / name).read_text())["key"]
+    p = problem(key["scheme"], key["activation"], E=key["num_experts"], k=key["top_k"], H=key["hidden_size"],
+                I=key["intermediate_size"], bias=key["activation"] == "swiglu_oai", max_tokens=tokens)
+    weights = weights_for(p, spread=(0.125, 128.0)) if key["scheme"] == "nvfp4" else weights_for(p)
+    experts = TritonExperts(p)
+    prepared = experts.prepare_weights(weights)
+    d = dispatched_for(p, tokens)
+    outs = []
+    for chosen in (config, plain):
+        monkeypatch.setattr("moe.experts.triton.decode_config", lambda m, *table, c=chosen: c)
+        outs.append(run(experts, d, prepared).float().clone())
+    assert torch.equal(outs[0], outs[1]), (outs[0] - outs[1]).abs().max()
+    if key["scheme"] == "nvfp4":
+        assert_close_moe(outs[0], weight_only_reference(p, d, weights), "bf16", context=f"{name} M={tokens}")
+    else:
+        assert_close_moe(outs[0], reference(p, d.x.data, d.topk, weights), regime_for(p), context=f"{name} M={tokens}")
+
+
 @pytest.mark.parametrize("quant", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("tokens", [1, 3, 33, 64])
 @pytest.mark.parametrize("tiles", [(MMA, MMA), (MMA_FUSED, MMA_FUSED), (MMA_FINISH, MMA_FINISH)],
@@ -317,16 +391,7 @@ def test_mma_tiles_match_reference(quant, tokens, tiles, monkeypatch):
     the splits' ends too) run a program per slot at every M and apply the split epilogue themselves: from 33 tokens
     several programs read one expert's weights."""
     monkeypatch.setattr("moe.experts.triton.decode_config", lambda m, *table: DecodeConfig(*tiles))
-    if quant == "mxfp4":
-        p = gpt_oss(tokens)
-        weights = weights_for(p)
-    else:
-        p = problem("nvfp4", "silu", E=128, k=8, H=2048, I=768, max_tokens=tokens)
-        weights = weights_for(p, spread=(0.125, 128.0))
-    experts = TritonExperts(p)
-    prepared = experts.prepare_weights(weights)
-    d = dispatched_for(p, tokens)
-    assert decode.mma_ready(prepared, d.x.data)
+    p, weights, experts, prepared, d = mma_case(quant, tokens)
     out = run(experts, d, prepared)
     if quant == "nvfp4":
         assert_close_moe(out.float(), weight_only_reference(p, d, weights), "bf16", context=f"mma nvfp4 M={tokens}")
@@ -375,8 +440,9 @@ def test_a_shapes_own_weight_only_decode_entries_match_the_grouped_gemm(shape, q
         assert_close_moe(out, grouped, "bf16", context=context + " vs grouped GEMM")
 
 
-@pytest.mark.parametrize("tokens, tile", [(16, MMA), (1, MMA_FINISH), (3, MMA_FINISH)],
-                         ids=["splits", "finish", "finish-per-slot"])
+@pytest.mark.parametrize("tokens, tile", [(16, MMA), (1, MMA_FINISH), (3, MMA_FINISH),
+                                          (1, replace(MMA_FINISH, unpredicated=True))],
+                         ids=["splits", "finish", "finish-per-slot", "finish-unpredicated"])
 def test_mma_tiles_cuda_graph_replay_equals_eager(tokens, tile, monkeypatch):
     monkeypatch.setattr("moe.experts.triton.decode_config", lambda m, *table: DecodeConfig(tile, tile))
     p = gpt_oss(tokens)

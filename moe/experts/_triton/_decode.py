@@ -353,7 +353,7 @@ def decode_gemm_kernel(
     TOP_K: tl.constexpr, SPLITS: tl.constexpr,
     E_PAD: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr,
     SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    MMA: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr,
+    MMA: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr, UNPREDICATED: tl.constexpr,
 ):
     if PDL == _PDL_CHAINED:  # the routing this reads may still be being written
         gdc_wait()
@@ -367,7 +367,7 @@ def decode_gemm_kernel(
         mma_program(a_ptr, fw_ptr, fs_ptr, wg_ptr, bias_ptr, out_ptr, part_ptr, sorted_ptr, expert.to(tl.int64),
                     start, count, N, K, stride_am, stride_fe, stride_fse, k_blocks, up_blocks, stride_be, stride_om,
                     stride_ps, stride_pm, alpha, beta, limit, GROUPED, A_ROW_DIV, GATED, ACTIVATION, HAS_BIAS, FUSED,
-                    SPLITS, SCALES, NVFP4_ASM_UNBIAS, BLOCK_N, BLOCK_K // 64)
+                    SPLITS, SCALES, NVFP4_ASM_UNBIAS, BLOCK_N, BLOCK_K // 64, UNPREDICATED)
         if PDL == _PDL_FIRST or PDL == _PDL_CHAINED:
             gdc_launch_dependents()
         if FINISH != 0 and not GROUPED:  # a program per slot: its one slot is `start`

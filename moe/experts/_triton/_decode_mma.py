@@ -153,24 +153,42 @@ def _ld4(ptr, pred):
     return tl.inline_asm_elementwise(_LD4, "=r,l,r", [ptr, pred.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
 
 
+# the same 16 / 4 bytes with no predicate (`DecodeTile.unpredicated`): weight loads whose address is always inside
+# the expert's fragments
+_LD16_ANY = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];")
+_LD4_ANY = tl.constexpr("ld.global.nc.b32 $0, [$1];")
+
+
 @triton.jit
-def _weights(w_ptr, s_ptr, ok):
-    """One K step's weight words and scale word of a lane (zeros where not ``ok``)."""
+def _weights(w_ptr, s_ptr, ok, UNPREDICATED: tl.constexpr):
+    """One K step's weight words and scale word of a lane: zeros where not ``ok``, or (``UNPREDICATED``) loaded
+    with no predicate."""
+    if UNPREDICATED:
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(_LD16_ANY, "=r,=r,=r,=r,l", [w_ptr],
+                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
+                                                   pack=1)
+        scale = tl.inline_asm_elementwise(_LD4_ANY, "=r,l", [s_ptr], dtype=tl.int32, is_pure=True, pack=1)
+        return w0, w1, w2, w3, scale
     w0, w1, w2, w3 = _ld16(w_ptr, ok)
     return w0, w1, w2, w3, _ld4(s_ptr, ok)
 
 
 @triton.jit
-def _loads(kk, ok, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s, GATED: tl.constexpr):
-    """Everything K step ``kk`` reads (``ok``: the step is in the split): the activations (8 words), the gate
-    (or only) rows' weights and scales, the up rows'."""
+def _loads(kk, ok, k_last, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s, GATED: tl.constexpr,
+           UNPREDICATED: tl.constexpr):
+    """Everything K step ``kk`` reads (``ok``: the step is in the split): the activations (8 words, zeros where not
+    ``ok``), the gate (or only) rows' weights and scales, the up rows'. ``UNPREDICATED``: the weight loads take no
+    predicate; a step past the split (an unrolled loop's last steps) reads the split's last step again, whose products
+    with its zero activations add nothing (the packed dequantization is finite for every code and finite scale)."""
     k0 = kk * 64 + t * 8
     a_lo = _ld16(x_ptrs + kk * 64, ok & tok_ok & (k0 < K))
     a_hi = _ld16(x_ptrs + kk * 64 + 32, ok & tok_ok & (k0 + 32 < K))
-    gate = _weights(w_ptrs + kk * 128, s_ptrs + kk * 32, ok)
+    if UNPREDICATED:
+        kk = tl.minimum(kk, k_last - 1)
+    gate = _weights(w_ptrs + kk * 128, s_ptrs + kk * 32, ok, UNPREDICATED)
     up = gate
     if GATED:  # the up rows: up_blocks further, same lanes, same activations
-        up = _weights(w_ptrs + up_w + kk * 128, s_ptrs + up_s + kk * 32, ok)
+        up = _weights(w_ptrs + up_w + kk * 128, s_ptrs + up_s + kk * 32, ok, UNPREDICATED)
     a = (a_lo[0], a_lo[1], a_lo[2], a_lo[3], a_hi[0], a_hi[1], a_hi[2], a_hi[3])
     return a, gate, up
 
@@ -229,9 +247,10 @@ def mma_program(a_ptr, fw_ptr, fs_ptr, wg_ptr, bias_ptr, out_ptr, part_ptr, sort
                 stride_pm, alpha, beta, limit,
                 GROUPED: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, ACTIVATION: tl.constexpr,
                 HAS_BIAS: tl.constexpr, FUSED: tl.constexpr, SPLITS: tl.constexpr, SCALES: tl.constexpr,
-                ASM_UNBIAS: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
+                ASM_UNBIAS: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr, UNPREDICATED: tl.constexpr):
     """Program (N tile x K split, expert group) of an MMA tile: ``BLOCK_N`` weight rows (16 per warp) of
-    ``expert`` over K blocks of 64, applied to the group's ``count`` slots 8 at a time."""
+    ``expert`` over K blocks of 64, applied to the group's ``count`` slots 8 at a time (``UNPREDICATED``:
+    `DecodeTile.unpredicated`)."""
     idx = tl.arange(0, 2 * BLOCK_N)
     lane = idx % 32
     g = lane // 4
@@ -262,15 +281,16 @@ def mma_program(a_ptr, fw_ptr, fs_ptr, wg_ptr, bias_ptr, out_ptr, part_ptr, sort
         acc, up = (zero, zero, zero, zero), (zero, zero, zero, zero)
         # UNROLL steps' loads first, then their MMAs: that many steps of bytes in flight per warp
         for kk in range(k_first, k_last, UNROLL):
-            first = _loads(kk, idx >= 0, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s, GATED)
+            first = _loads(kk, idx >= 0, k_last, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s, GATED,
+                           UNPREDICATED)
             if UNROLL >= 2:
-                second = _loads(kk + 1, idx * 0 + kk + 1 < k_last, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s,
-                                GATED)
+                second = _loads(kk + 1, idx * 0 + kk + 1 < k_last, k_last, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs,
+                                up_w, up_s, GATED, UNPREDICATED)
             if UNROLL == 4:
-                third = _loads(kk + 2, idx * 0 + kk + 2 < k_last, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s,
-                               GATED)
-                fourth = _loads(kk + 3, idx * 0 + kk + 3 < k_last, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs, up_w, up_s,
-                                GATED)
+                third = _loads(kk + 2, idx * 0 + kk + 2 < k_last, k_last, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs,
+                               up_w, up_s, GATED, UNPREDICATED)
+                fourth = _loads(kk + 3, idx * 0 + kk + 3 < k_last, k_last, x_ptrs, tok_ok, t, K, w_ptrs, s_ptrs,
+                                up_w, up_s, GATED, UNPREDICATED)
             acc, up = _step(acc, up, first, GATED, SCALES)
             if UNROLL >= 2:
                 acc, up = _step(acc, up, second, GATED, SCALES)

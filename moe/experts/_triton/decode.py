@@ -73,8 +73,14 @@ class DecodeTile:
     read once per slot -- a choice for a few tokens (one token's k experts are distinct: always a program per slot).
     ``mma`` (MXFP4 / NVFP4 x bfloat16 where `mma_ready` holds): the MMA-fragment program (`_decode_mma`), 16 weight
     rows per warp (``block_n = 16 * num_warps``), 8 tokens per pass (``block_m = 8``), K steps of 64 loaded
-    ``block_k / 64`` at a time; ``dot`` off, ``asm`` implied (`mma_tile` builds one). ``tma`` (fp8 tensor-core
-    tiles, SM90): the weight tiles by TMA descriptor (`WeightOperand.descriptor`) instead of pointer loads."""
+    ``block_k / 64`` at a time; ``dot`` off, ``asm`` implied (`mma_tile` builds one). ``unpredicated`` (MMA tiles):
+    the weight loads take no predicate, so they need not wait for one (`_decode_mma._loads`); an unrolled step past
+    the split re-reads its last step's weights against zero activations. On an H200 that took GPT-OSS-120B at one
+    token 4.4-5.6% less time (MXFP4, NVFP4) but Qwen3-30B-A3B NVFP4 3.2% more, and GPT-OSS at M = 4 3.6-4.3% more
+    (benchmarks/results/fp4_gemv_decode_nvidia-h200.md, session 40): a choice per tile, on where it was timed faster
+    (the H200 tables' GPT-OSS one-token entries, `DECODE_CONFIGS`' bucket 0.0).
+    ``tma`` (fp8 tensor-core tiles, SM90): the weight tiles by TMA descriptor (`WeightOperand.descriptor`) instead
+    of pointer loads."""
 
     block_n: int = 32
     block_k: int = 128
@@ -87,10 +93,14 @@ class DecodeTile:
     finish: bool = False
     mma: bool = False
     tma: bool = False
+    unpredicated: bool = False
 
     def __post_init__(self):
         if not 1 <= self.splits <= MAX_SPLITS:
             raise MoEConfigError(f"splits must be in 1..{MAX_SPLITS} (got {self.splits})")
+        if self.unpredicated and not self.mma:
+            raise MoEConfigError("unpredicated=True is a choice of MMA-fragment tiles' weight loads: it needs "
+                                 f"mma=True (got mma={self.mma})")
         if self.tma and (not self.dot or self.mma):
             raise MoEConfigError(f"tma=True decode tiles are tensor-core tiles: dot=True, mma=False "
                                  f"(got dot={self.dot}, mma={self.mma})")
@@ -158,9 +168,10 @@ FALLBACK_DECODE_CONFIGS = {
 }
 
 
-def mma_tile(block_n: int, unroll: int, splits: int, finish: bool = False) -> DecodeTile:
+def mma_tile(block_n: int, unroll: int, splits: int, finish: bool = False, unpredicated: bool = False) -> DecodeTile:
     """An MMA-fragment tile: ``block_n`` rows (16 per warp), K steps of 64 loaded ``unroll`` at a time."""
-    return DecodeTile(block_n, 64 * unroll, splits, 8, False, True, block_n // 16, 1, finish, mma=True)
+    return DecodeTile(block_n, 64 * unroll, splits, 8, False, True, block_n // 16, 1, finish, mma=True,
+                      unpredicated=unpredicated)
 
 
 # MXFP4 / NVFP4 (bfloat16 activations, `mma_ready`), by rows per expert as above: the fastest of
@@ -179,9 +190,13 @@ def mma_tile(block_n: int, unroll: int, splits: int, finish: bool = False) -> De
 # one token (session 23's tiles) and, with programs per slot, two (session 24's). Qwen3's also for 3-8 tokens, per slot
 # (sessions 24-25; at M = 4-8 0.76-0.94x the time of bucket 0.25 per expert, in one process), and for 9-13 with one
 # split per expert (0.92-0.96x, NVFP4 at M = 10 0.99x; at 14 0.99-1.01x, so the bucket from there). GPT-OSS's also for
-# 8-9 tokens, per slot (0.95-0.98x; at 10-11 0.99-1.03x).
+# 8-9 tokens, per slot (0.95-0.98x; at 10-11 0.99-1.03x). Bucket 0.0 (GPT-OSS's one token; k / E under 0.05: DeepSeek-V3
+# and Kimi-K2 too) loads its weights with no predicate (`DecodeTile.unpredicated`): on an H100 (session 43, one process,
+# five rounds each) GPT-OSS MXFP4 31.8-32.1 against 33.0-33.3 us, NVFP4 33.3-33.6 against 34.9-35.4; Qwen3's one token
+# (bucket 0.05) it made no faster (MXFP4 -0.6%, NVFP4 +1.1%).
+_ONE_TOKEN = mma_tile(64, 2, 4, finish=True, unpredicated=True)
 DECODE_CONFIGS = {
-    0.0: DecodeConfig(mma_tile(64, 2, 4, finish=True), mma_tile(64, 2, 4, finish=True)),
+    0.0: DecodeConfig(_ONE_TOKEN, _ONE_TOKEN),
     0.05: DecodeConfig(mma_tile(32, 2, 4, finish=True), mma_tile(32, 2, 4, finish=True)),
     0.1: DecodeConfig(mma_tile(64, 1, 4, finish=True), mma_tile(64, 2, 2, finish=True)),
     0.25: DecodeConfig(mma_tile(32, 2, 2), mma_tile(32, 2, 2)),
@@ -437,7 +452,7 @@ def _gemm(a: torch.Tensor, w: WeightOperand, out: torch.Tensor | None, part: tor
         EVEN_K=k % (FP8_GROUP_SIZE if fp8 else tile.block_k) == 0,
         IEEE=a.dtype == torch.float32, DOT=tile.dot, ASM=asm, SCALES=QUANT_CODES[w.fmt], BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, STAGES=tile.num_stages, MMA=tile.mma, PDL=pdl, TMA=tile.tma,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        UNPREDICATED=tile.unpredicated, num_warps=tile.num_warps, num_stages=tile.num_stages,
         # a launch option Triton 3.4 added
         **({"launch_pdl": True} if pdl in (kernels("decode").PDL_SECOND, kernels("decode").PDL_CHAINED) else {}),
     )
