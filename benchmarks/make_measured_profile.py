@@ -182,6 +182,9 @@ MACHINES = {
         # bench with FlashInfer beside (read back from its printed tables)
         "h100_tables_s42_nvidia-h100.json": ("records", None),
         "decode_s42_nvidia-h100.json": ("records", None),
+        # session 43: what session 42 left untimed -- bf16 at M = 1-64 for Mixtral and the DeepSeek slice (FlashInfer
+        # beside), fp8_block at M = 1-256 on the decode tiles, Qwen3 NVFP4 / MXFP4 decode
+        "decode_s43_nvidia-h100.json": ("records", None),
     }, "measured on nvidia-h100 (2026-11-25; triton re-measured 2026-12-06) by python -m moe bench --json and "
        "benchmarks/compare_configs.py",
         superseded={

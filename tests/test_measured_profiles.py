@@ -147,26 +147,26 @@ def test_h200_plan_still_cites_the_h200_measurements():
         assert bucket.chosen.experts.basis == "measured at this shape (measured-h200.yaml)", bucket.high
 
 
-def test_h100_plan_for_a_superseded_cell_not_remeasured_reads_the_h200_measurement_scaled_to_the_h100():
-    """Triton bf16 on Mixtral at one token: its H100 record (session 7) predates the warp-specialized tiles
-    (`superseded`), and session 42 re-timed this preset at M >= 256 only. The plan takes the H200's measurement of
-    the same cell as an efficiency and scales it by the H100's ceilings (memory bound at M = 1: the bandwidths'
-    ratio), not that stale record, and not the H100's measurements of other shapes."""
+def test_h100_plan_for_a_superseded_cell_reads_its_new_measurement_not_the_stale_one():
+    """Triton fp8_block on Qwen3-30B-A3B at one token: its H100 records (sessions 5-9, 27.5-41.8 us) predate the
+    one-token decode tiles (`superseded`), and session 43 timed the cell again (23.4 us). The plan reads session 43's
+    time, not a stale record. Until then the H100 had no current time of this cell and the plan read the H200's
+    measurement of it, scaled to the H100 (the level order that chose that stays checked on its own below)."""
     spec = _script().MACHINES["nvidia-h100"]
-    assert ("triton", "bf16") in spec.superseded
-    assert "triton" not in _cells("nvidia-h100")[("mixtral-8x7b", "bf16")][1]
-    stale = [r for name in spec.stale_sources for r in json.loads((RESULTS / name).read_text())["records"]
-             if (r["experts"], r["quant"], r["preset"], r["tokens"]) == ("triton", "bf16", "mixtral-8x7b", 1)]
-    assert stale  # what the profile read before session 42
-    (h200_us,) = [e.measured_us for e in load_profile(PROFILE_DIR / "measured-h200.yaml").entries
-                  if (e.backend, e.quant, e.tokens, e.shape.preset) == ("triton", "bf16", 1, "mixtral-8x7b")]
-    problem = load_preset("mixtral-8x7b").problem(quant="bf16", max_tokens=1)
-    h100, h200 = Platform.preset("h100"), Platform.preset("h200")
-    (bucket,) = plan(problem, h100, Policy(buckets=(1,))).buckets
+    cell = ("triton", "fp8_block", "qwen3-30b-a3b", 1)
+    assert cell[:2] in spec.superseded
+
+    def times(names):
+        return [r["us"] for name in names for r in json.loads((RESULTS / name).read_text())["records"]
+                if (r["experts"], r["quant"], r["preset"], r["tokens"]) == cell]
+
+    stale, (new,) = times(spec.stale_sources), times(["decode_s43_nvidia-h100.json"])
+    assert stale and all(us > 1.15 * new for us in stale)  # the stale records would plan otherwise
+    problem = load_preset("qwen3-30b-a3b").problem(quant="fp8_block", max_tokens=1)
+    (bucket,) = plan(problem, Platform.preset("h100"), Policy(buckets=(1,))).buckets
     (triton,) = [s for s in bucket.ranking if s.pair.experts == "triton"]
-    assert triton.experts.basis.startswith("measured on h200 at this shape, against its ceilings")
-    assert triton.experts.basis.endswith("(measured-h200.yaml)")
-    assert triton.experts.us == pytest.approx(h200_us * h200.memory_bandwidth / h100.memory_bandwidth)
+    assert triton.experts.basis == "measured at this shape (measured-h100.yaml)"
+    assert triton.experts.us == pytest.approx(new)
 
 
 def test_a_siblings_measurement_of_this_shape_comes_before_this_platforms_other_shapes():
