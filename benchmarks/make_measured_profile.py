@@ -185,6 +185,8 @@ MACHINES = {
         # session 43: what session 42 left untimed -- bf16 at M = 1-64 for Mixtral and the DeepSeek slice (FlashInfer
         # beside), fp8_block at M = 1-256 on the decode tiles, Qwen3 NVFP4 / MXFP4 decode
         "decode_s43_nvidia-h100.json": ("records", None),
+        # then the weight-only decode cells of session 42 again, in three rounds, after the unpredicated one-token loads
+        "weight_only_s43_nvidia-h100.json": ("records", None),
     }, "measured on nvidia-h100 (2026-11-25; triton re-measured 2026-12-06) by python -m moe bench --json and "
        "benchmarks/compare_configs.py",
         superseded={
