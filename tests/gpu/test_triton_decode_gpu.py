@@ -349,10 +349,13 @@ def unpredicated_entries():
     """(table file, M, entry) of every shipped table's decode entry with an `unpredicated` tile, on any GPU."""
     found = []
     for path in sorted(CONFIG_DIR.glob("*.json")):
-        table = ConfigTable.from_json(ConfigKey(**json.loads(path.read_text())["key"]), json.loads(path.read_text()))
-        found += [(path.name, m, entry) for m, entry in table.decode if entry not in ("default", "grouped")
-                  and any(t.unpredicated for t in (decode.table_decode_config(entry).gemm1,
-                                                   decode.table_decode_config(entry).gemm2))]
+        data = json.loads(path.read_text())
+        for m, entry in ConfigTable.from_json(ConfigKey(**data["key"]), data).decode:
+            if entry in ("default", "grouped"):
+                continue
+            config = decode.table_decode_config(entry)
+            if config.gemm1.unpredicated or config.gemm2.unpredicated:
+                found.append((path.name, m, entry))
     return found
 
 

@@ -76,7 +76,7 @@ class DecodeTile:
     ``block_k / 64`` at a time; ``dot`` off, ``asm`` implied (`mma_tile` builds one). ``unpredicated`` (MMA tiles):
     the weight loads take no predicate, so they need not wait for one (`_decode_mma._loads`); an unrolled step past
     the split re-reads its last step's weights against zero activations. On an H200 that took GPT-OSS-120B at one
-    token 4.4-5.6% less time (MXFP4, NVFP4) but Qwen3-30B-A3B NVFP4 3.2% more, and GPT-OSS at M = 4 3.6-4.3% more
+    token 4.5-5.6% less time (MXFP4, NVFP4) but Qwen3-30B-A3B NVFP4 3.2% more, and GPT-OSS at M = 4 3.6-4.3% more
     (benchmarks/results/fp4_gemv_decode_nvidia-h200.md, session 40): a choice per tile, on where it was timed faster
     (the H200 tables' GPT-OSS one-token entries, `DECODE_CONFIGS`' bucket 0.0).
     ``tma`` (fp8 tensor-core tiles, SM90): the weight tiles by TMA descriptor (`WeightOperand.descriptor`) instead
