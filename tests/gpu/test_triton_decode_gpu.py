@@ -314,20 +314,34 @@ def weight_only_reference(p, d, weights):
     return (run(truth, d, truth.prepare_weights(weights)) * d.topk.weights.unsqueeze(-1)).sum(1).float()
 
 
-def mma_case(quant, tokens):
-    """(problem, weights, experts, prepared weights, dispatched input) of the MMA tiles' tests: GPT-OSS-120B's MXFP4
-    shape, or a Qwen3-like NVFP4 one whose block scales span e4m3's range."""
-    if quant == "mxfp4":
-        p = gpt_oss(tokens)
-        weights = weights_for(p)
+def fp4_weights(p):
+    """Random weights of an fp4 problem; NVFP4's block scales span e4m3's range (its global scale differs by expert)."""
+    return weights_for(p, spread=(0.125, 128.0)) if p.quant.name == "nvfp4" else weights_for(p)
+
+
+def assert_matches_fp4_reference(out, p, d, weights, context):
+    """``out`` against the reference of an fp4 problem: NVFP4's weight-only one in bf16's regime, MXFP4's the usual."""
+    if p.quant.name == "nvfp4":
+        assert_close_moe(out.float(), weight_only_reference(p, d, weights), "bf16", context=context)
     else:
-        p = problem("nvfp4", "silu", E=128, k=8, H=2048, I=768, max_tokens=tokens)
-        weights = weights_for(p, spread=(0.125, 128.0))
+        assert_close_moe(out.float(), reference(p, d.x.data, d.topk, weights), regime_for(p), context=context)
+
+
+def mma_case(p, tokens):
+    """(weights, experts, prepared weights, dispatched input) of ``p`` at ``tokens``, where the MMA tiles can run."""
+    weights = fp4_weights(p)
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(weights)
     d = dispatched_for(p, tokens)
     assert decode.mma_ready(prepared, d.x.data)
-    return p, weights, experts, prepared, d
+    return weights, experts, prepared, d
+
+
+def mma_problem(quant, tokens):
+    """The MMA tiles' tests' problems: GPT-OSS-120B's MXFP4 shape, or a Qwen3-like NVFP4 one."""
+    if quant == "mxfp4":
+        return gpt_oss(tokens)
+    return problem("nvfp4", "silu", E=128, k=8, H=2048, I=768, max_tokens=tokens)
 
 
 @pytest.mark.parametrize("quant", ["mxfp4", "nvfp4"])
@@ -337,7 +351,7 @@ def test_unpredicated_mma_tiles_give_the_predicated_tiles_bits(quant, tokens, ti
     """`DecodeTile.unpredicated` changes how the weights are loaded, not what is summed: the steps an unrolled loop
     runs past a split's end (``finish``: 45 K blocks in 8 splits of 6, loaded 4 at a time) re-read the split's last
     weights against zero activations, where the predicated loads read zeros."""
-    _, _, experts, prepared, d = mma_case(quant, tokens)
+    _, experts, prepared, d = mma_case(mma_problem(quant, tokens), tokens)
     outs = []
     for t in (tile, replace(tile, unpredicated=True)):
         monkeypatch.setattr("moe.experts.triton.decode_config", lambda m, *table, t=t: DecodeConfig(t, t))
@@ -368,19 +382,13 @@ def test_the_tables_unpredicated_entries_give_the_predicated_tiles_bits(name, to
     key = json.loads((CONFIG_DIR / name).read_text())["key"]
     p = problem(key["scheme"], key["activation"], E=key["num_experts"], k=key["top_k"], H=key["hidden_size"],
                 I=key["intermediate_size"], bias=key["activation"] == "swiglu_oai", max_tokens=tokens)
-    weights = weights_for(p, spread=(0.125, 128.0)) if key["scheme"] == "nvfp4" else weights_for(p)
-    experts = TritonExperts(p)
-    prepared = experts.prepare_weights(weights)
-    d = dispatched_for(p, tokens)
+    weights, experts, prepared, d = mma_case(p, tokens)
     outs = []
     for chosen in (config, plain):
         monkeypatch.setattr("moe.experts.triton.decode_config", lambda m, *table, c=chosen: c)
         outs.append(run(experts, d, prepared).float().clone())
     assert torch.equal(outs[0], outs[1]), (outs[0] - outs[1]).abs().max()
-    if key["scheme"] == "nvfp4":
-        assert_close_moe(outs[0], weight_only_reference(p, d, weights), "bf16", context=f"{name} M={tokens}")
-    else:
-        assert_close_moe(outs[0], reference(p, d.x.data, d.topk, weights), regime_for(p), context=f"{name} M={tokens}")
+    assert_matches_fp4_reference(outs[0], p, d, weights, f"{name} M={tokens}")
 
 
 @pytest.mark.parametrize("quant", ["mxfp4", "nvfp4"])
@@ -394,13 +402,9 @@ def test_mma_tiles_match_reference(quant, tokens, tiles, monkeypatch):
     the splits' ends too) run a program per slot at every M and apply the split epilogue themselves: from 33 tokens
     several programs read one expert's weights."""
     monkeypatch.setattr("moe.experts.triton.decode_config", lambda m, *table: DecodeConfig(*tiles))
-    p, weights, experts, prepared, d = mma_case(quant, tokens)
-    out = run(experts, d, prepared)
-    if quant == "nvfp4":
-        assert_close_moe(out.float(), weight_only_reference(p, d, weights), "bf16", context=f"mma nvfp4 M={tokens}")
-    else:
-        assert_close_moe(out.float(), reference(p, d.x.data, d.topk, weights), regime_for(p),
-                         context=f"mma mxfp4 M={tokens}")
+    p = mma_problem(quant, tokens)
+    weights, experts, prepared, d = mma_case(p, tokens)
+    assert_matches_fp4_reference(run(experts, d, prepared), p, d, weights, f"mma {quant} M={tokens}")
 
 
 @pytest.mark.parametrize("quant", ["mxfp4", "nvfp4"])
@@ -416,7 +420,7 @@ def test_a_shapes_own_weight_only_decode_entries_match_the_grouped_gemm(shape, q
         return problem(quant, "swiglu_oai", E=128, k=4, H=2880, I=2880, bias=True, max_tokens=tokens)
 
     p = shaped(64)
-    weights = weights_for(p, spread=(0.125, 128.0)) if quant == "nvfp4" else weights_for(p)
+    weights = fp4_weights(p)
     experts = TritonExperts(p)
     prepared = experts.prepare_weights(weights)
     entries = [(m, entry) for m, entry in prepared.configs.decode if entry not in ("default", "grouped")]
@@ -431,11 +435,7 @@ def test_a_shapes_own_weight_only_decode_entries_match_the_grouped_gemm(shape, q
         assert (config.gemm1, config.gemm2) == (want.gemm1, want.gemm2)
         out = run(experts, d, prepared).float().clone()
         context = f"{quant} {shape} table decode entry M={tokens} {config}"
-        if quant == "nvfp4":
-            assert_close_moe(out, weight_only_reference(p, d, weights), "bf16", context=context + " vs reference")
-        else:
-            assert_close_moe(out, reference(p, d.x.data, d.topk, weights), regime_for(p),
-                             context=context + " vs reference")
+        assert_matches_fp4_reference(out, p, d, weights, context + " vs reference")
         assert_replay_equals_eager_without_sync(experts, prepared, p, tokens)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr("moe.experts.triton.uses_decode", lambda *a: False)
